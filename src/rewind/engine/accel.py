@@ -1,0 +1,81 @@
+"""Choosing the accelerator by an actual probe.
+
+/dev/kvm existing proves nothing: on some hosts (nested, paravirtual KVM) a
+standard kernel hangs under it. So boot the image's own kernel with a tiny
+initramfs that prints a marker and powers off; KVM is used only if the marker
+appears within a few seconds. The verdict is cached per host; REWIND_ACCEL
+overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rewind.engine.qemu import QEMU_BINARY
+from rewind.errors import InvalidArgument
+
+PROBE_MARKER = b"REWIND-PROBE-OK"
+PROBE_TIMEOUT = 8.0
+ACCELS = ("kvm", "tcg")
+
+
+@dataclass(frozen=True)
+class AccelChoice:
+    accel: str  # "kvm" or "tcg"
+    reason: str
+    source: str  # "probe", "cache" or "REWIND_ACCEL"
+
+
+def _host_key() -> str:
+    qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
+    return f"{platform.node()}|{platform.release()}|{qemu.stdout.splitlines()[0] if qemu.stdout else '?'}"
+
+
+def choose_accel(cache_dir: Path, kernel: Path, probe_initrd: Path) -> AccelChoice:
+    forced = os.environ.get("REWIND_ACCEL")
+    if forced:
+        if forced not in ACCELS:
+            raise InvalidArgument(f"REWIND_ACCEL must be one of {', '.join(ACCELS)}, not {forced!r}")
+        return AccelChoice(forced, "set by REWIND_ACCEL", "REWIND_ACCEL")
+    cache = cache_dir / "accel.json"
+    key = _host_key()
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("host") == key:
+            return AccelChoice(cached["accel"], cached["reason"], "cache")
+    except (OSError, ValueError, KeyError):
+        pass
+    accel, reason = probe_kvm(kernel, probe_initrd)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as f:
+        json.dump({"host": key, **asdict(AccelChoice(accel, reason, "probe"))}, f)
+    os.replace(f.name, cache)
+    return AccelChoice(accel, reason, "probe")
+
+
+def probe_kvm(kernel: Path, probe_initrd: Path) -> tuple[str, str]:
+    """("kvm", why) if a guest really boots under KVM in time, else ("tcg", why)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "tcg", "/dev/kvm is not available"
+    argv = [QEMU_BINARY, "-nodefaults", "-no-user-config", "-display", "none", "-machine", "q35",
+            "-accel", "kvm", "-cpu", "max", "-m", "128M", "-kernel", str(kernel), "-initrd",
+            str(probe_initrd), "-append", "console=ttyS0 quiet panic=-1", "-serial", "stdio",
+            "-no-reboot"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return "tcg", f"a guest did not boot under KVM within {PROBE_TIMEOUT:.0f} s"
+    if PROBE_MARKER in out:
+        return "kvm", "a probe guest booted under KVM"
+    last = err.decode(errors="replace").strip().splitlines()
+    return "tcg", f"KVM failed to boot a guest ({last[-1] if last else f'exit {proc.returncode}'})"

@@ -1,0 +1,228 @@
+"""Host side of the guest agent protocol (see rewind/guest/agent.py)."""
+
+from __future__ import annotations
+
+import codecs
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from rewind.engine.unixsock import connect_unix
+from rewind.errors import AgentError, AgentGone, GuestFileError, InvalidArgument
+from rewind.guest.protocol import CHUNK, Decoder, encode
+
+HELLO_RETRY = 1.0  # resend hello this often: the agent may have eaten it mid-frame
+HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
+HEARTBEAT_GRACE = 15.0  # and declare it gone after this much more (TCG guests can be slow)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command did. A non-zero exit is a result, not an error."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+OutputCallback = Callable[[str], None]
+
+
+class AgentClient:
+    """One session with the agent on one virtio-serial port. Use as a context manager.
+
+    `alive` is asked whenever the agent is silent, so a dead QEMU is reported
+    as such instead of waited on.
+    """
+
+    def __init__(self, socket_path: Path, alive: Callable[[], None] = lambda: None,
+                 connect_timeout: float = 30.0) -> None:
+        self._path = socket_path
+        self._alive = alive
+        self._connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._decoder = Decoder()
+
+    # ---- session ----
+
+    def __enter__(self) -> AgentClient:
+        try:
+            self._sock = connect_unix(self._path, timeout=5.0)
+        except OSError as e:
+            self._alive()
+            raise AgentGone(f"cannot reach the guest agent: {e.strerror}") from None
+        nonce = uuid.uuid4().hex
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            self._send({"t": "hello", "nonce": nonce})
+            resend = time.monotonic() + HELLO_RETRY
+            while time.monotonic() < resend:
+                header, _ = self._recv(until=resend)
+                if header is not None and header.get("t") == "hello" and header.get("nonce") == nonce:
+                    return self
+            self._alive()
+            if time.monotonic() > deadline:
+                self.close()
+                raise AgentGone(f"the guest agent did not answer within {self._connect_timeout:.0f} s")
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _send(self, header: dict, payload: bytes = b"") -> None:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(encode(header, payload))
+        except OSError as e:
+            self._alive()
+            raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
+
+    def _recv(self, until: float | None = None) -> tuple[dict | None, bytes]:
+        """Next frame; (None, b"") if `until` passes first."""
+        assert self._sock is not None
+        while True:
+            frame = self._decoder.next()
+            if frame is not None:
+                return frame
+            wait = None if until is None else until - time.monotonic()
+            if wait is not None and wait <= 0:
+                return None, b""
+            self._sock.settimeout(wait)
+            try:
+                data = self._sock.recv(1 << 20)
+            except TimeoutError:
+                return None, b""
+            except OSError as e:
+                self._alive()
+                raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
+            if not data:
+                self._alive()
+                raise AgentGone("the guest agent's channel closed (QEMU exited?)")
+            self._decoder.feed(data)
+
+    def _reply(self) -> tuple[dict, bytes]:
+        """Next frame of the current request, checking on the agent when it is silent."""
+        while True:
+            header, payload = self._recv(until=time.monotonic() + HEARTBEAT_AFTER)
+            if header is None:
+                self._alive()
+                self._send({"t": "ping"})
+                header, payload = self._recv(until=time.monotonic() + HEARTBEAT_GRACE)
+                if header is None:
+                    self._alive()
+                    raise AgentGone("the guest agent stopped answering (killed, or the guest hung)")
+            if header.get("t") in ("pong", "hello"):
+                continue  # heartbeats, and answers to hellos resent while the agent was starting
+            if header.get("t") == "error":
+                kind = header.get("kind")
+                message = header.get("message", "unknown error")
+                if kind == "bad_request":
+                    raise InvalidArgument(message)
+                if kind in ("not_found", "is_a_directory", "not_a_file", "permission", "os_error"):
+                    raise GuestFileError(message)
+                raise AgentError(message)
+            return header, payload
+
+    # ---- requests ----
+
+    def ping(self) -> float:
+        """The guest's uptime in seconds."""
+        self._send({"t": "ping"})
+        deadline = time.monotonic() + HEARTBEAT_GRACE
+        while True:
+            header, _ = self._recv(until=deadline)
+            if header is None:
+                self._alive()
+                raise AgentGone("the guest agent did not answer a ping")
+            if header.get("t") == "pong":
+                return float(header.get("uptime", 0.0))
+
+    def _reply_of(self, kind: str) -> tuple[dict, bytes]:
+        header, payload = self._reply()
+        if header.get("t") != kind:
+            raise AgentError(f"the guest agent answered {header.get('t')!r}, expected {kind!r}")
+        return header, payload
+
+    def exec(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+             timeout: float | None = None, stdin: bytes | None = None, max_output: int | None = None,
+             on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult:
+        request: dict = {"t": "exec", "argv": argv, "cwd": cwd, "env": env or {}, "timeout": timeout,
+                         "stdin": stdin is not None}
+        if max_output is not None:
+            request["max_output"] = max_output
+        self._send(request)
+        if stdin is not None:
+            for at in range(0, len(stdin), CHUNK):
+                self._send({"t": "stdin"}, stdin[at : at + CHUNK])
+            self._send({"t": "stdin_end"})
+        chunks: dict[int, list[str]] = {1: [], 2: []}
+        decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in (1, 2)}
+        callbacks = {1: on_stdout, 2: on_stderr}
+        while True:
+            header, payload = self._reply()
+            kind = header.get("t")
+            if kind == "out":
+                fd = 1 if header.get("fd") == 1 else 2
+                text = decoders[fd].decode(payload)
+                chunks[fd].append(text)
+                if callbacks[fd] and text:
+                    callbacks[fd](text)
+            elif kind == "exit":
+                for fd in (1, 2):
+                    tail = decoders[fd].decode(b"", final=True)
+                    chunks[fd].append(tail)
+                    if callbacks[fd] and tail:
+                        callbacks[fd](tail)
+                truncated = header.get("truncated", [False, False])
+                return ExecResult(exit_code=int(header["code"]), stdout="".join(chunks[1]),
+                                  stderr="".join(chunks[2]), timed_out=bool(header.get("timed_out")),
+                                  stdout_truncated=bool(truncated[0]), stderr_truncated=bool(truncated[1]))
+            else:
+                raise AgentError(f"unexpected frame from the guest agent: {kind!r}")
+
+    def read_file(self, path: str, sink: BinaryIO) -> int:
+        """Copy a guest file into `sink`; returns its mode bits."""
+        self._send({"t": "read", "path": path})
+        header, _ = self._reply_of("file")
+        mode = int(header.get("mode", 0o644))
+        while True:
+            header, payload = self._reply()
+            if header.get("t") == "data":
+                sink.write(payload)
+            elif header.get("t") == "end":
+                return mode
+            else:
+                raise AgentError(f"unexpected frame during read: {header.get('t')!r}")
+
+    def write_file(self, path: str, source: BinaryIO, mode: int | None = None) -> None:
+        """Write `source` to a guest file, atomically (it appears whole or not at all)."""
+        request: dict = {"t": "write", "path": path}
+        if mode is not None:
+            request["mode"] = mode
+        self._send(request)
+        self._reply_of("ready")
+        while block := source.read(CHUNK):
+            self._send({"t": "data"}, block)
+        self._send({"t": "end"})
+        self._reply_of("ok")
+
+    def set_identity(self, **fields: object) -> None:
+        """Hostname, machine id, MAC, entropy seed and clock, applied in the guest."""
+        self._send({"t": "identity", **fields})
+        self._reply_of("ok")

@@ -1,0 +1,400 @@
+"""Machines: create from the booted template, run commands through the agent, stop, delete.
+
+A machine is a directory under $REWIND_HOME/machines/NAME holding its record
+(machine.json), its disk overlay, QEMU's sockets, PID file and logs. Its
+status is derived, never trusted: a machine recorded as running whose QEMU
+is gone is reported dead.
+
+Locking: lifecycle changes (start, stop, delete) hold the machine's lock
+exclusively; agent sessions hold it shared plus one of the agent ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rewind.engine.accel import AccelChoice, choose_accel
+from rewind.engine.agent import AgentClient
+from rewind.engine.locks import any_free_lock, file_lock
+from rewind.engine.qemu import (
+    AGENT_PORTS,
+    QMP_SOCKET,
+    VmSpec,
+    agent_socket,
+    kill,
+    launch,
+    process_alive,
+    wait_exit,
+)
+from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template
+from rewind.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    MachineDied,
+    MachineNotRunning,
+    NotFound,
+    RewindError,
+)
+from rewind.home import Home
+from rewind.image import RECIPE, Image, find_image
+
+DEFAULT_MEMORY_MIB = 512
+DEFAULT_CPUS = 2
+MIN_MEMORY_MIB = 192  # below this the guest's kernel and agent do not fit
+MAX_CPUS = 64
+LOCK_TIMEOUT = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+RECORD = "machine.json"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+Report = Callable[[str], None]
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("machine name is empty")
+    if len(name) > 63:
+        raise InvalidArgument(f"machine name is {len(name)} characters long; the limit is 63")
+    if "/" in name or ".." in name or not _NAME.fullmatch(name):
+        raise InvalidArgument(f"invalid machine name {name!r}: use letters, digits, '-', '_' and '.', "
+                              "starting with a letter or digit")
+    return name
+
+
+def parse_labels(labels: dict[str, str] | None) -> dict[str, str]:
+    out = {}
+    for key, value in (labels or {}).items():
+        if not isinstance(key, str) or not _NAME.fullmatch(key) or len(key) > 63:
+            raise InvalidArgument(f"invalid label key {key!r}")
+        if not isinstance(value, str) or len(value) > 256 or "\n" in value:
+            raise InvalidArgument(f"invalid value for label {key!r}")
+        out[key] = value
+    return out
+
+
+def _hostname(name: str) -> str:
+    host = re.sub(r"[^a-z0-9-]", "-", name.lower()).strip("-")
+    return host[:63] or "rewind"
+
+
+def _new_mac() -> str:
+    # 52:54:00 is QEMU's prefix; the next octet keeps it locally administered and unicast.
+    return "52:54:00:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(3))
+
+
+@dataclass
+class MachineRecord:
+    """What is persisted about a machine (machine.json)."""
+
+    name: str
+    uuid: str
+    memory_mib: int
+    cpus: int
+    labels: dict[str, str]
+    image_id: str
+    hostname: str
+    machine_id: str
+    mac: str
+    vmgenid: str
+    created: float
+    state: str = "creating"  # creating | running | stopped
+    pid: int | None = None
+    accel: str = "tcg"
+    disk_mib: int = 0  # 0: the image's own size
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """A machine as `rewind ls` shows it."""
+
+    name: str
+    status: str  # running | stopped | dead | creating
+    memory_mib: int
+    cpus: int
+    labels: dict[str, str]
+    hostname: str
+    pid: int | None
+    created: float
+    accel: str
+
+
+class Machine:
+    """One machine on this host. Obtain through Engine."""
+
+    def __init__(self, engine: Engine, path: Path, record: MachineRecord) -> None:
+        self.engine = engine
+        self.path = path
+        self.record = record
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    def reload(self) -> None:
+        try:
+            self.record = MachineRecord(**json.loads((self.path / RECORD).read_text()))
+        except FileNotFoundError:
+            raise NotFound(f"machine {self.name!r} no longer exists") from None
+
+    def _save(self) -> None:
+        tmp = self.path / (RECORD + ".tmp")
+        tmp.write_text(json.dumps(asdict(self.record), indent=2))
+        os.replace(tmp, self.path / RECORD)
+
+    # ---- status ----
+
+    def status(self) -> str:
+        if self.record.state == "running":
+            alive = self.record.pid is not None and process_alive(self.record.pid, self.record.uuid)
+            return "running" if alive else "dead"
+        return self.record.state
+
+    def info(self) -> MachineInfo:
+        r = self.record
+        return MachineInfo(name=r.name, status=self.status(), memory_mib=r.memory_mib, cpus=r.cpus,
+                           labels=dict(r.labels), hostname=r.hostname, pid=r.pid, created=r.created,
+                           accel=r.accel)
+
+    def check_alive(self) -> None:
+        """Raise MachineDied/MachineNotRunning unless the machine's QEMU is running."""
+        status = self.status()
+        if status == "dead":
+            raise MachineDied(f"machine {self.name!r} is dead: its QEMU exited unexpectedly "
+                              f"(see {self.path / 'console.log'}); `rewind rm {self.name}` removes it")
+        if status != "running":
+            raise MachineNotRunning(f"machine {self.name!r} is {status}; start it with "
+                                    f"`rewind start {self.name}`")
+
+    # ---- sessions ----
+
+    @contextmanager
+    def agent(self, connect_timeout: float = 30.0) -> Iterator[AgentClient]:
+        """A session with the guest agent, on the first free agent port."""
+        self.check_alive()
+        what = f"machine {self.name!r}"
+        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
+            self.reload()
+            self.check_alive()
+            ports = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
+            with any_free_lock(ports, timeout=LOCK_TIMEOUT, what=what) as port, \
+                    AgentClient(self.path / agent_socket(port), alive=self.check_alive,
+                                connect_timeout=connect_timeout) as client:
+                yield client
+
+    def monitor(self) -> Monitor:
+        return Monitor(self.path / QMP_SOCKET)
+
+    # ---- lifecycle ----
+
+    def _spec(self, template: Template | None) -> VmSpec:
+        r = self.record
+        image = self.engine.image()
+        return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
+                      kernel=image.kernel, initrd=image.initrd, disk=self.path / "disk.qcow2",
+                      ram_file=template.ram if template else None, ram_shared=False,
+                      mac=r.mac, vmgenid=r.vmgenid, incoming=template is not None)
+
+    def _start_from_template(self, template: Template) -> None:
+        """Run the template's saved state in a new QEMU over this machine's disk."""
+        self.record.pid = launch(self._spec(template), self.path)
+        with self.monitor() as mon:
+            mon.cmd("migrate-set-capabilities",
+                    capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(template.devstate))}")
+            mon.wait_migration()
+            mon.cmd("cont")
+
+    def _boot(self, report: Report) -> None:
+        """Cold boot from this machine's own disk (a stopped machine)."""
+        report(f"booting {self.name} from its disk")
+        self.record.pid = launch(self._spec(None), self.path)
+
+    def _apply_identity(self, connect_timeout: float) -> None:
+        r = self.record
+
+        def alive() -> None:
+            if r.pid is None or not process_alive(r.pid, r.uuid):
+                raise MachineDied(f"machine {r.name!r}: QEMU exited while starting "
+                                  f"(see {self.path / 'console.log'})")
+
+        with AgentClient(self.path / agent_socket(0), alive=alive,
+                         connect_timeout=connect_timeout) as client:
+            client.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
+                                seed=secrets.token_hex(32), time=time.time())
+
+    def _grow_disk(self, disk_mib: int) -> None:
+        """Grow the virtual disk (the guest sees the new size at once) and its file system."""
+        with self.monitor() as mon:
+            mon.cmd("block_resize", **{"node-name": "disk0", "size": disk_mib << 20})
+        with AgentClient(self.path / agent_socket(0), alive=self.check_alive) as client:
+            result = client.exec(["resize2fs", "/dev/vda"], timeout=120)
+        if result.exit_code != 0:
+            raise RewindError(f"could not grow the root file system: {result.stderr.strip()}")
+
+    def start(self, report: Report = lambda _: None) -> None:
+        """Start a stopped machine (cold boot from its disk)."""
+        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            if self.status() == "running":
+                return
+            self._boot(report)
+            try:
+                self._apply_identity(connect_timeout=BOOT_TIMEOUT)
+            except BaseException:
+                kill(self.record.pid, self.record.uuid)
+                raise
+            self.record.state = "running"
+            self._save()
+
+    def stop(self) -> None:
+        """Flush the guest's disk and end its QEMU. Files survive; processes do not."""
+        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            if self.status() == "running":
+                self._shutdown()
+            self._cleanup_runtime()
+            self.record.state = "stopped"
+            self.record.pid = None
+            self._save()
+
+    def _shutdown(self) -> None:
+        r = self.record
+        assert r.pid is not None
+        try:
+            with AgentClient(self.path / agent_socket(0), connect_timeout=5) as client:
+                client.exec(["sync"], timeout=30)
+        except RewindError:
+            pass  # a guest whose agent is gone cannot flush; its disk is as the guest left it
+        try:
+            with self.monitor() as mon:
+                mon.quit()
+        except MonitorError:
+            pass
+        if not wait_exit(r.pid, r.uuid, 10):
+            kill(r.pid, r.uuid)
+
+    def _cleanup_runtime(self) -> None:
+        for name in (QMP_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
+            (self.path / name).unlink(missing_ok=True)
+
+    def delete(self) -> None:
+        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            if self.record.pid is not None and process_alive(self.record.pid, self.record.uuid):
+                try:
+                    with self.monitor() as mon:
+                        mon.quit()
+                except MonitorError:
+                    pass
+                if not wait_exit(self.record.pid, self.record.uuid, 5):
+                    kill(self.record.pid, self.record.uuid)
+            shutil.rmtree(self.path)
+
+
+class Engine:
+    """Machines under one $REWIND_HOME."""
+
+    def __init__(self, home: Home | None = None) -> None:
+        self.home = home or Home.from_env()
+        self._image: Image | None = None
+        self._accel: AccelChoice | None = None
+
+    def image(self) -> Image:
+        if self._image is None:
+            self._image = find_image(self.home.images)
+        return self._image
+
+    def accel(self) -> AccelChoice:
+        if self._accel is None:
+            image = self.image()
+            self._accel = choose_accel(self.home.cache, image.kernel, image.probe_initrd)
+        return self._accel
+
+    def template(self, memory_mib: int, cpus: int, report: Report = lambda _: None) -> Template:
+        return ensure_template(self.image(), self.accel().accel, memory_mib, cpus, report)
+
+    def _path(self, name: str) -> Path:
+        return self.home.machines / validate_name(name)
+
+    def get(self, name: str) -> Machine:
+        path = self._path(name)
+        try:
+            record = MachineRecord(**json.loads((path / RECORD).read_text()))
+        except FileNotFoundError:
+            raise NotFound(f"no machine named {name!r}") from None
+        except (ValueError, TypeError) as e:
+            raise RewindError(f"machine {name!r} has a damaged record ({e}); remove {path}") from None
+        return Machine(self, path, record)
+
+    def list(self, labels: dict[str, str] | None = None) -> list[Machine]:
+        if not self.home.machines.is_dir():
+            return []
+        found = []
+        for path in sorted(self.home.machines.iterdir()):
+            if path.name.startswith(".") or not (path / RECORD).is_file():
+                continue
+            try:
+                machine = self.get(path.name)
+            except (NotFound, RewindError):
+                continue
+            if all(machine.record.labels.get(k) == v for k, v in (labels or {}).items()):
+                found.append(machine)
+        return found
+
+    def create(self, name: str | None = None, *, memory_mib: int = DEFAULT_MEMORY_MIB,
+               cpus: int = DEFAULT_CPUS, disk_mib: int = 0, labels: dict[str, str] | None = None,
+               report: Report = lambda _: None) -> Machine:
+        """Create and start a machine from the booted template. Nothing is left behind on failure."""
+        name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
+        if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
+            raise InvalidArgument(f"memory must be at least {MIN_MEMORY_MIB} MiB (got {memory_mib})")
+        if not isinstance(cpus, int) or not 1 <= cpus <= MAX_CPUS:
+            raise InvalidArgument(f"cpus must be between 1 and {MAX_CPUS} (got {cpus})")
+        base_mib = RECIPE["disk_size_mib"]
+        if not isinstance(disk_mib, int) or (disk_mib and disk_mib < base_mib):
+            raise InvalidArgument(f"disk must be at least the image's {base_mib} MiB (got {disk_mib})")
+        labels = parse_labels(labels)
+        template = self.template(memory_mib, cpus, report)
+        self.home.machines.mkdir(parents=True, exist_ok=True)
+        path = self.home.machines / name
+        with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"):
+            try:
+                path.mkdir()
+            except FileExistsError:
+                raise AlreadyExists(f"a machine named {name!r} already exists") from None
+        record = MachineRecord(
+            name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
+            image_id=self.image().id, hostname=_hostname(name), machine_id=uuid.uuid4().hex,
+            mac=_new_mac(), vmgenid=str(uuid.uuid4()), created=time.time(), accel=template.accel,
+            disk_mib=disk_mib)
+        machine = Machine(self, path, record)
+        try:
+            with file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
+                machine._save()
+                subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
+                                str(template.disk), str(path / "disk.qcow2")],
+                               check=True, capture_output=True)
+                machine._start_from_template(template)
+                machine._apply_identity(connect_timeout=30)
+                if disk_mib > base_mib:
+                    machine._grow_disk(disk_mib)
+                record.state = "running"
+                machine._save()
+        except BaseException:
+            if record.pid is not None:
+                kill(record.pid, record.uuid)
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return machine

@@ -1,0 +1,142 @@
+"""Launching QEMU: the command line of a rewind machine, and its process.
+
+Every machine is the same small virtual board (q35, virtio disk, network,
+serial ports for the agent, RNG and a VM generation id), so that the running
+state saved from one QEMU loads into another.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.errors import RewindError
+
+QEMU_BINARY = "qemu-system-x86_64"
+AGENT_PORTS = 4  # concurrent host sessions per machine
+KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
+
+# File names inside a machine's run directory (relative: QEMU runs there, and
+# unix socket paths must stay short).
+QMP_SOCKET = "qmp.sock"
+PID_FILE = "qemu.pid"
+CONSOLE_LOG = "console.log"
+QEMU_LOG = "qemu.log"
+
+
+def agent_socket(i: int) -> str:
+    return f"agent-{i}.sock"
+
+
+class QemuError(RewindError):
+    """QEMU could not be started."""
+
+
+@dataclass(frozen=True)
+class VmSpec:
+    """Everything QEMU needs to run one machine."""
+
+    tag: str  # the machine's UUID; also how its QEMU is recognised by PID
+    memory_mib: int
+    cpus: int
+    accel: str  # "kvm" or "tcg"
+    kernel: Path
+    initrd: Path
+    disk: Path
+    ram_file: Path | None  # None: plain anonymous RAM (a cold boot)
+    ram_shared: bool  # True: guest RAM is the file itself; False: a private copy-on-write view of it
+    mac: str
+    vmgenid: str
+    incoming: bool = False  # wait for `migrate-incoming` instead of booting
+    kernel_cmdline: str = KERNEL_CMDLINE
+
+
+def qemu_argv(spec: VmSpec) -> list[str]:
+    accel = "kvm" if spec.accel == "kvm" else "tcg,thread=multi,tb-size=64"
+    if spec.ram_file is None:
+        ram = f"memory-backend-ram,id=ram0,size={spec.memory_mib}M"
+    else:
+        ram = (f"memory-backend-file,id=ram0,size={spec.memory_mib}M,mem-path={spec.ram_file},"
+               f"share={'on' if spec.ram_shared else 'off'}")
+    argv = [
+        QEMU_BINARY, "-name", "rewind", "-nodefaults", "-no-user-config",
+        "-display", "none", "-machine", "q35,memory-backend=ram0", "-accel", accel, "-cpu", "max",
+        "-m", f"{spec.memory_mib}M", "-smp", str(spec.cpus), "-object", ram,
+        "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
+        "-no-reboot",
+        "-blockdev", f"node-name=disk0,driver=qcow2,file.driver=file,file.filename={spec.disk}",
+        "-device", "virtio-blk-pci,drive=disk0,id=vda",
+        "-netdev", "user,id=net0", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
+        "-device", "virtio-serial-pci,id=vser0",
+        "-device", "virtio-rng-pci,id=rng0",
+        "-device", f"vmgenid,guid={spec.vmgenid},id=vmgenid0",
+        "-chardev", f"file,id=console,path={CONSOLE_LOG}", "-serial", "chardev:console",
+        "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+        "-pidfile", PID_FILE, "-daemonize",
+        # The machine's UUID doubles as the tag that tells our QEMU from a reused PID.
+        "-uuid", spec.tag,
+    ]
+    for i in range(AGENT_PORTS):
+        argv += ["-chardev", f"socket,id=agent{i},path={agent_socket(i)},server=on,wait=off",
+                 "-device", f"virtserialport,bus=vser0.0,chardev=agent{i},name=rewind.agent.{i},id=port{i}"]
+    if spec.incoming:
+        argv += ["-incoming", "defer"]
+    return argv
+
+
+def launch(spec: VmSpec, run_dir: Path) -> int:
+    """Start QEMU daemonized in `run_dir`; returns its PID once its sockets exist."""
+    if shutil.which(QEMU_BINARY) is None:
+        raise QemuError(f"{QEMU_BINARY} is not installed (apt-get install qemu-system-x86)")
+    for name in (QMP_SOCKET, PID_FILE, *(agent_socket(i) for i in range(AGENT_PORTS))):
+        (run_dir / name).unlink(missing_ok=True)
+    with open(run_dir / QEMU_LOG, "ab") as log:
+        done = subprocess.run(qemu_argv(spec), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=subprocess.PIPE, timeout=60, check=False)
+        log.write(done.stderr)
+    if done.returncode != 0:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        raise QemuError(f"QEMU did not start: {lines[-1] if lines else f'exit code {done.returncode}'}")
+    return int((run_dir / PID_FILE).read_text().strip())
+
+
+def process_alive(pid: int, tag: str) -> bool:
+    """True if `pid` is a live QEMU started with `tag` (PIDs get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and tag.encode() in cmdline
+
+
+def kill(pid: int, tag: str, grace: float = 5.0) -> None:
+    """End our QEMU by PID: SIGTERM, then SIGKILL after `grace` seconds."""
+    if not process_alive(pid, tag):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not process_alive(pid, tag):
+            return
+        time.sleep(0.02)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    while process_alive(pid, tag):
+        time.sleep(0.02)
+
+
+def wait_exit(pid: int, tag: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while process_alive(pid, tag):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -1,0 +1,85 @@
+"""QMP, over QEMU's own client library; this module only adds rewind's errors and waits."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPError
+from qemu.qmp.legacy import QEMUMonitorProtocol
+
+from rewind.engine.unixsock import connect_unix
+from rewind.errors import RewindError
+
+
+class MonitorError(RewindError):
+    """QEMU refused a QMP command or its monitor is unreachable."""
+
+
+class Monitor:
+    """A QMP session with one QEMU. Use as a context manager."""
+
+    def __init__(self, socket_path: Path, timeout: float = 30.0) -> None:
+        self._path = socket_path
+        self._timeout = timeout
+        self._qmp: QEMUMonitorProtocol | None = None
+
+    def __enter__(self) -> Monitor:
+        try:
+            sock = connect_unix(self._path, timeout=self._timeout)
+        except OSError as e:
+            raise MonitorError(f"cannot reach QEMU's monitor at {self._path}: {e.strerror}") from None
+        sock.settimeout(None)
+        self._qmp = QEMUMonitorProtocol(sock)
+        try:
+            self._qmp.connect(negotiate=True)
+        except (QMPError, OSError, EOFError) as e:
+            self.close()
+            raise MonitorError(f"QEMU's monitor did not answer: {e}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._qmp is not None:
+            try:
+                self._qmp.close()
+            except Exception:  # noqa: BLE001 - the peer may already be gone (after `quit`)
+                pass
+            self._qmp = None
+
+    def cmd(self, name: str, **args: Any) -> Any:
+        assert self._qmp is not None, "Monitor used outside its context"
+        try:
+            reply = self._qmp.cmd_raw(name, args or None)
+        except (QMPError, OSError, EOFError) as e:
+            raise MonitorError(f"QMP {name} failed: {e or type(e).__name__}") from None
+        if "error" in reply:
+            raise MonitorError(f"QMP {name}: {reply['error'].get('desc', reply['error'])}")
+        return reply.get("return")
+
+    def quit(self) -> None:
+        """Ask QEMU to exit; the monitor closing under us is the expected answer."""
+        try:
+            self.cmd("quit")
+        except MonitorError:
+            pass
+        self.close()
+
+    def wait_migration(self, timeout: float = 120.0) -> dict:
+        """Poll until the current (outgoing or incoming) migration ends; its final status."""
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            info = self.cmd("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return info
+            if status in ("failed", "cancelled"):
+                raise MonitorError(f"migration {status}: {info.get('error-desc', 'no reason given')}")
+            if time.monotonic() > deadline:
+                raise MonitorError(f"migration did not finish in {timeout:.0f} s (status {status})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)

@@ -1,0 +1,55 @@
+"""Errors rewind raises. Every one carries a message a person can act on."""
+
+from __future__ import annotations
+
+
+class RewindError(Exception):
+    """Base of every error rewind raises on purpose."""
+
+
+class InvalidArgument(RewindError, ValueError):
+    """A name, size, path or option that rewind cannot accept."""
+
+
+class NotFound(RewindError, LookupError):
+    """A machine, image or file that does not exist."""
+
+
+class AlreadyExists(RewindError):
+    """A name that is already taken."""
+
+
+class MachineNotRunning(RewindError):
+    """The operation needs a running machine."""
+
+
+class MachineDied(MachineNotRunning):
+    """The machine's QEMU process ended without being asked to."""
+
+
+class Busy(RewindError):
+    """Another rewind command holds the machine's lock."""
+
+
+class ImageError(RewindError):
+    """The guest image is missing, damaged, or could not be built."""
+
+
+class AgentError(RewindError):
+    """The guest agent is unreachable or answered with an error."""
+
+
+class AgentGone(AgentError):
+    """The guest agent stopped answering (it was killed, or the guest powered off)."""
+
+
+class GuestFileError(AgentError):
+    """A file operation in the guest failed (missing file, directory, permission)."""
+
+
+class CommandFailed(RewindError):
+    """Raised by exec(check=True) when the command exits non-zero."""
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,477 @@
+"""The rewind guest agent: runs inside the machine, serves the host over a virtio-serial port.
+
+One host client at a time (the host holds a per-machine lock). Every client
+starts with a `hello` carrying a nonce; the agent answers it, which tells the
+client where the fresh stream begins. If the client goes away (the port reads
+EOF) or a new `hello` arrives mid-request, the request is abandoned: a running
+command's process group is killed and a half-written file is removed.
+
+Standard library only; the image builder copies this file and protocol.py
+into the guest.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from protocol import CHUNK, Decoder, encode  # noqa: E402
+
+PORT_PREFIX = "rewind.agent."
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "USER": "root",
+}
+DEFAULT_OUTPUT_CAP = 16 << 20
+TIMEOUT_EXIT_CODE = 124  # as GNU timeout reports it
+
+
+class Reset(Exception):
+    """The client went away, or a new client said hello mid-request."""
+
+    def __init__(self, nonce: str | None = None) -> None:
+        super().__init__(nonce)
+        self.nonce = nonce
+
+
+class RequestError(Exception):
+    """A request that cannot be served; reported to the client as an error frame."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def find_ports() -> list[str]:
+    """The agent's virtio-serial ports, one per concurrent host session."""
+    base = "/sys/class/virtio-ports"
+    while True:
+        found = []
+        for dev in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+            try:
+                with open(os.path.join(base, dev, "name")) as f:
+                    if f.read().strip().startswith(PORT_PREFIX):
+                        found.append("/dev/" + dev)
+            except OSError:
+                continue
+        if found:
+            return found
+        time.sleep(0.1)
+
+
+class Port:
+    """The virtio-serial port, non-blocking, with frame decoding."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.decoder = Decoder()
+        # Edge-triggered: while no host is connected the port reports IN|HUP
+        # continuously; an edge wakes us only when that changes.
+        self.idle_wait = select.epoll()
+        self.idle_wait.register(self.fd, select.EPOLLIN | select.EPOLLET)
+        self.write_wait = select.epoll()
+        self.write_wait.register(self.fd, select.EPOLLOUT | select.EPOLLET)
+        self.host_gone = False
+
+    def pump(self) -> None:
+        """Read all that is available into the decoder; Reset on EOF (host gone)."""
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                return
+            if not data:
+                self.decoder.reset()
+                self.host_gone = True
+                raise Reset()
+            self.decoder.feed(data)
+
+    def take(self, in_request: bool) -> tuple[dict, bytes] | None:
+        frame = self.decoder.next()
+        if frame and in_request and frame[0].get("t") == "hello":
+            raise Reset(frame[0].get("nonce"))
+        return frame
+
+    def recv(self, in_request: bool = True) -> tuple[dict, bytes]:
+        while True:
+            frame = self.take(in_request)
+            if frame:
+                return frame
+            if self.host_gone:
+                # Wait for the edge of a host connecting (bounded, in case one is missed).
+                self.idle_wait.poll(5.0)
+                self.host_gone = False
+            self.pump()
+            frame = self.take(in_request)
+            if frame:
+                return frame
+            self.idle_wait.poll(1.0)
+
+    def send(self, header: dict, payload: bytes = b"") -> None:
+        view = memoryview(encode(header, payload))
+        while view:
+            try:
+                n = os.write(self.fd, view)
+                view = view[n:]
+            except BlockingIOError:
+                for _, ev in self.write_wait.poll(1.0):
+                    if ev & select.EPOLLHUP:
+                        raise Reset() from None
+
+
+def error_frame(kind: str, message: str) -> dict:
+    return {"t": "error", "kind": kind, "message": message}
+
+
+# ---- exec -----------------------------------------------------------------
+
+
+def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise RequestError("bad_request", "argv must be a non-empty list of strings")
+    cwd = req.get("cwd") or "/root"
+    if not os.path.isdir(cwd):
+        raise RequestError("bad_request", f"working directory does not exist: {cwd}")
+    env = dict(DEFAULT_ENV)
+    env.update(req.get("env") or {})
+    timeout = req.get("timeout")
+    cap = int(req.get("max_output", DEFAULT_OUTPUT_CAP))
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except FileNotFoundError:
+        port.send({"t": "out", "fd": 2}, f"rewind: {argv[0]}: command not found\n".encode())
+        port.send({"t": "exit", "code": 127, "timed_out": False, "truncated": [False, False]})
+        return
+    except PermissionError:
+        port.send({"t": "out", "fd": 2}, f"rewind: {argv[0]}: permission denied\n".encode())
+        port.send({"t": "exit", "code": 126, "timed_out": False, "truncated": [False, False]})
+        return
+    try:
+        code, timed_out, truncated = run_process(port, proc, timeout, cap)
+    except BaseException:
+        kill_group(proc)
+        raise
+    port.send({"t": "exit", "code": code, "timed_out": timed_out, "truncated": truncated})
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: int):
+    deadline = time.monotonic() + timeout if timeout else None
+    outs = {proc.stdout.fileno(): 1, proc.stderr.fileno(): 2}
+    sent = {1: 0, 2: 0}
+    truncated = {1: False, 2: False}
+    for fd in outs:
+        os.set_blocking(fd, False)
+    stdin_fd = proc.stdin.fileno() if proc.stdin else None
+    if stdin_fd is not None:
+        os.set_blocking(stdin_fd, False)
+    stdin_buf = bytearray()
+    stdin_closing = False
+    pidfd = os.pidfd_open(proc.pid)
+    poller = select.epoll()
+    poller.register(port.fd, select.EPOLLIN)
+    poller.register(pidfd, select.EPOLLIN)
+    for fd in outs:
+        poller.register(fd, select.EPOLLIN)
+
+    def forward(fd: int) -> bool:
+        """Send what fd has; False once it reaches EOF."""
+        stream = outs[fd]
+        while True:
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                return True
+            if not data:
+                return False
+            room = cap - sent[stream]
+            if len(data) > room:
+                truncated[stream] = True
+                data = data[: max(room, 0)]
+            if data:
+                sent[stream] += len(data)
+                port.send({"t": "out", "fd": stream}, data)
+
+    timed_out = False
+    try:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            events = poller.poll(wait if wait is not None else -1)
+            if deadline is not None and time.monotonic() >= deadline and proc.poll() is None:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+            for fd, _ in events:
+                if fd in outs:
+                    if not forward(fd):
+                        poller.unregister(fd)
+                        del outs[fd]
+                elif fd == port.fd:
+                    port.pump()
+                    while (frame := port.take(in_request=True)) is not None:
+                        header, payload = frame
+                        if header.get("t") == "stdin" and stdin_fd is not None:
+                            stdin_buf += payload
+                        elif header.get("t") == "stdin_end":
+                            stdin_closing = True
+                        elif header.get("t") == "ping":
+                            port.send({"t": "pong"})
+                        elif header.get("t") == "signal":
+                            os.killpg(proc.pid, int(header.get("signal", signal.SIGTERM)))
+                elif fd == stdin_fd:
+                    pass  # writable again; handled below
+                elif fd == pidfd:
+                    proc.wait()
+            if stdin_fd is not None:
+                stdin_fd = feed_stdin(poller, proc, stdin_fd, stdin_buf, stdin_closing)
+            if proc.returncode is not None:
+                break
+    finally:
+        poller.close()
+        os.close(pidfd)
+    # The command has exited: send what its pipes already hold, but do not wait
+    # for background children that keep them open.
+    for fd in list(outs):
+        forward(fd)
+    for f in (proc.stdout, proc.stderr, proc.stdin):
+        if f:
+            try:
+                f.close()
+            except OSError:
+                pass
+    code = TIMEOUT_EXIT_CODE if timed_out else proc.returncode
+    if code < 0:
+        code = 128 - code  # killed by a signal: report it as a shell does
+    return code, timed_out, [truncated[1], truncated[2]]
+
+
+def feed_stdin(poller, proc, fd: int, buf: bytearray, closing: bool) -> int | None:
+    """Write pending stdin; returns the fd, or None once it is closed."""
+    try:
+        while buf:
+            n = os.write(fd, buf)
+            del buf[:n]
+    except BlockingIOError:
+        try:
+            poller.register(fd, select.EPOLLOUT | select.EPOLLONESHOT)
+        except FileExistsError:
+            poller.modify(fd, select.EPOLLOUT | select.EPOLLONESHOT)
+        return fd
+    except BrokenPipeError:
+        buf.clear()
+        closing = True
+    if closing:
+        try:
+            poller.unregister(fd)
+        except (FileNotFoundError, KeyError):
+            pass
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        return None
+    return fd
+
+
+# ---- files ----------------------------------------------------------------
+
+
+def os_error(e: OSError, path: str) -> RequestError:
+    kind = {errno.ENOENT: "not_found", errno.EISDIR: "is_a_directory", errno.EACCES: "permission"}
+    return RequestError(kind.get(e.errno, "os_error"), f"{path}: {e.strerror}")
+
+
+def handle_read(port: Port, req: dict, _payload: bytes) -> None:
+    path = req.get("path", "")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise os_error(e, path) from None
+    try:
+        st = os.fstat(fd)
+        if not os.path.stat.S_ISREG(st.st_mode):
+            raise RequestError("not_a_file", f"{path}: not a regular file")
+        port.send({"t": "file", "size": st.st_size, "mode": st.st_mode & 0o7777})
+        while data := os.read(fd, CHUNK):
+            port.send({"t": "data"}, data)
+        port.send({"t": "end"})
+    finally:
+        os.close(fd)
+
+
+def handle_write(port: Port, req: dict, _payload: bytes) -> None:
+    path = req.get("path", "")
+    if not path.startswith("/"):
+        raise RequestError("bad_request", f"path must be absolute: {path!r}")
+    parent = os.path.dirname(path)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.rewind-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, req.get("mode", 0o644))
+    except OSError as e:
+        raise os_error(e, path) from None
+    port.send({"t": "ready"})
+    done = False
+    try:
+        while True:
+            header, payload = port.recv()
+            if header.get("t") == "data":
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view) :]
+            elif header.get("t") == "end":
+                break
+            else:
+                raise RequestError("bad_request", f"unexpected frame during write: {header.get('t')}")
+        if "mode" in req:
+            os.fchmod(fd, req["mode"])
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        done = True
+    except OSError as e:
+        raise os_error(e, path) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not done:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    port.send({"t": "ok"})
+
+
+# ---- identity, clock, health -------------------------------------------------
+
+SIOCSIFHWADDR = 0x8924
+RNDADDENTROPY = 0x40085203
+ARPHRD_ETHER = 1
+
+
+def set_mac(ifname: str, mac: str) -> None:
+    raw = bytes.fromhex(mac.replace(":", ""))
+    ifreq = struct.pack("16sH14s", ifname.encode(), ARPHRD_ETHER, raw)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCSIFHWADDR, ifreq)
+
+
+def handle_identity(port: Port, req: dict, _payload: bytes) -> None:
+    if "time" in req:
+        time.clock_settime(time.CLOCK_REALTIME, float(req["time"]))
+    if seed := req.get("seed"):
+        raw = bytes.fromhex(seed)
+        with open("/dev/urandom", "wb") as f:
+            fcntl.ioctl(f.fileno(), RNDADDENTROPY, struct.pack("ii", len(raw) * 8, len(raw)) + raw)
+    if hostname := req.get("hostname"):
+        socket.sethostname(hostname)
+        write_text("/etc/hostname", hostname + "\n")
+        write_text("/etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost\n")
+    if machine_id := req.get("machine_id"):
+        write_text("/etc/machine-id", machine_id + "\n")
+    if mac := req.get("mac"):
+        try:
+            set_mac("eth0", mac)
+        except OSError as e:
+            raise RequestError("os_error", f"cannot set MAC address: {e.strerror}") from None
+    port.send({"t": "ok"})
+
+
+def write_text(path: str, text: str) -> None:
+    tmp = path + ".rewind-tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def handle_ping(port: Port, _req: dict, _payload: bytes) -> None:
+    port.send({"t": "pong", "uptime": time.clock_gettime(time.CLOCK_BOOTTIME)})
+
+
+HANDLERS = {
+    "exec": handle_exec,
+    "read": handle_read,
+    "write": handle_write,
+    "identity": handle_identity,
+    "ping": handle_ping,
+}
+
+
+def serve(port: Port) -> None:
+    while True:
+        try:
+            header, payload = port.recv(in_request=False)
+            kind = header.get("t")
+            if kind == "hello":
+                port.send({"t": "hello", "nonce": header.get("nonce")})
+                continue
+            handler = HANDLERS.get(kind)
+            if handler is None:
+                port.send(error_frame("bad_request", f"unknown request: {kind!r}"))
+                continue
+            try:
+                handler(port, header, payload)
+            except RequestError as e:
+                port.send(error_frame(e.kind, str(e)))
+        except Reset as r:
+            if r.nonce is not None:
+                try:
+                    port.send({"t": "hello", "nonce": r.nonce})
+                except Reset:
+                    pass
+
+
+def main() -> None:
+    """Serve every port in its own process; restart any that dies."""
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    children: dict[int, str] = {}
+
+    def spawn(path: str) -> None:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                serve(Port(path))
+            finally:
+                os._exit(1)
+        children[pid] = path
+
+    for path in find_ports():
+        spawn(path)
+    while True:
+        pid, _ = os.wait()
+        if pid in children:
+            time.sleep(0.2)
+            spawn(children.pop(pid))
+
+
+if __name__ == "__main__":
+    main()

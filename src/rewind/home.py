@@ -1,0 +1,30 @@
+"""Where rewind keeps its state: everything lives under $REWIND_HOME."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Home:
+    """The state directory. `images` may be pointed elsewhere (REWIND_IMAGES) so that
+    several homes, such as a test suite's temporary ones, share one built image."""
+
+    root: Path
+    images: Path
+
+    @classmethod
+    def from_env(cls, root: str | os.PathLike[str] | None = None) -> Home:
+        base = Path(root or os.environ.get("REWIND_HOME") or Path.home() / ".local/share/rewind")
+        images = os.environ.get("REWIND_IMAGES")
+        return cls(root=base, images=Path(images) if images else base / "images")
+
+    @property
+    def machines(self) -> Path:
+        return self.root / "machines"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"

@@ -1,0 +1,252 @@
+"""Build the default guest image from Debian packages only.
+
+The root file system comes from mmdebstrap; the kernel and its modules from
+Debian's kernel package (fetched with apt on the host); the initramfs holds
+busybox and the few modules needed to mount the root disk. An image is named
+by the hash of its recipe and of the guest files shipped in it, so it is
+rebuilt exactly when one of them changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.errors import ImageError
+
+RECIPE: dict = {
+    "format": 1,
+    "suite": "bookworm",
+    "variant": "minbase",
+    "packages": [
+        "bash", "coreutils", "git", "python3", "ca-certificates", "iproute2",
+        "busybox-static", "kmod", "procps", "curl", "e2fsprogs",
+    ],
+    "kernel": "linux-image-amd64",
+    "boot_modules": ["virtio_pci", "virtio_blk", "crc32c_generic", "ext4"],
+    "disk_size_mib": 8192,
+}
+
+_HERE = Path(__file__).parent
+_GUEST = _HERE.parent / "guest"
+# Files copied into the guest: source -> path in the guest.
+GUEST_FILES = {
+    _GUEST / "agent.py": "usr/lib/rewind/agent.py",
+    _GUEST / "protocol.py": "usr/lib/rewind/protocol.py",
+    _GUEST / "sysinit.sh": "usr/lib/rewind/sysinit.sh",
+    _GUEST / "inittab": "etc/inittab",
+}
+INITRAMFS_INIT = _HERE / "initramfs-init.sh"
+PROBE_INIT = _HERE / "probe-init.sh"
+
+KERNEL_FILE = "vmlinuz"
+INITRD_FILE = "initrd.img"
+PROBE_INITRD_FILE = "probe-initrd.img"
+DISK_FILE = "rootfs.qcow2"
+MANIFEST_FILE = "image.json"
+
+
+def recipe_id() -> str:
+    h = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
+    for path in sorted([*GUEST_FILES, INITRAMFS_INIT, PROBE_INIT]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A built image on disk: kernel, initramfs and root disk."""
+
+    path: Path
+    id: str
+    kernel_version: str
+    created: float
+
+    @property
+    def kernel(self) -> Path:
+        return self.path / KERNEL_FILE
+
+    @property
+    def initrd(self) -> Path:
+        return self.path / INITRD_FILE
+
+    @property
+    def disk(self) -> Path:
+        return self.path / DISK_FILE
+
+    @property
+    def probe_initrd(self) -> Path:
+        """An initramfs that only prints a marker and powers off (see engine.accel)."""
+        return self.path / PROBE_INITRD_FILE
+
+    @classmethod
+    def load(cls, path: Path) -> Image:
+        """Open an image directory, checking that it is whole."""
+        try:
+            meta = json.loads((path / MANIFEST_FILE).read_text())
+            image = cls(path=path, id=meta["id"], kernel_version=meta["kernel_version"],
+                        created=meta["created"])
+        except (OSError, ValueError, KeyError) as e:
+            raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from None
+        for f in (image.kernel, image.initrd, image.probe_initrd, image.disk):
+            if not f.is_file() or f.stat().st_size == 0:
+                raise ImageError(f"image at {path} is damaged: {f.name} is missing or empty; "
+                                 "run `rewind image build --force`")
+        return image
+
+
+def find_image(images_dir: Path) -> Image:
+    """The default image for the current recipe; a clear error if it is not built."""
+    path = images_dir / recipe_id()
+    if not path.exists():
+        raise ImageError("the guest image is not built yet: run `rewind image build`")
+    return Image.load(path)
+
+
+Report = Callable[[str], None]
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise ImageError(f"{what}: `{cmd[0]}` is not installed") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ImageError(f"{what} failed: {' / '.join(tail)}")
+    return done.stdout
+
+
+def build_image(images_dir: Path, force: bool = False, report: Report = lambda _: None) -> Image:
+    """Build the image for the current recipe unless it is already built.
+
+    Work happens in a staging directory renamed into place at the end, so an
+    interrupted build leaves no half image behind.
+    """
+    image_id = recipe_id()
+    final = images_dir / image_id
+    if final.exists() and not force:
+        return Image.load(final)
+    images_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".build-{image_id}-", dir=images_dir))
+    try:
+        kernel_version = _build_into(staging, image_id, report)
+        (staging / MANIFEST_FILE).write_text(json.dumps(
+            {"id": image_id, "kernel_version": kernel_version, "created": time.time(), "recipe": RECIPE},
+            indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Image.load(final)
+
+
+def _build_into(out: Path, image_id: str, report: Report) -> str:
+    work = out / "work"
+    root = work / "rootfs"
+    work.mkdir()
+    report("installing Debian packages with mmdebstrap")
+    _run(["mmdebstrap", "--quiet", f"--variant={RECIPE['variant']}",
+          "--include=" + ",".join(RECIPE["packages"]), RECIPE["suite"], str(root)], "mmdebstrap")
+
+    report("fetching Debian's kernel")
+    kernel_dir = work / "kernel"
+    kernel_version = _fetch_kernel(work, kernel_dir)
+    shutil.copy(kernel_dir / "boot" / f"vmlinuz-{kernel_version}", out / KERNEL_FILE)
+    modules_dst = root / "usr/lib/modules" / kernel_version
+    shutil.copytree(kernel_dir / "lib/modules" / kernel_version, modules_dst, symlinks=True)
+    _run(["depmod", "-b", str(root), kernel_version], "depmod")
+
+    report("installing the guest agent")
+    for src, dst in GUEST_FILES.items():
+        target = root / dst
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, target)
+        target.chmod(0o755 if src.suffix in (".sh", ".py") else 0o644)
+    (root / "etc/hostname").write_text("rewind\n")
+    (root / "etc/resolv.conf").unlink(missing_ok=True)
+    (root / "etc/resolv.conf").write_text("nameserver 10.0.2.3\n")
+    (root / "etc/fstab").write_text("# rewind: the root disk is mounted by the initramfs\n")
+    (root / "etc/machine-id").write_text("")
+
+    report("making the initramfs")
+    order = _module_load_order(root, kernel_version, RECIPE["boot_modules"])
+    _make_initramfs(root, kernel_version, order, INITRAMFS_INIT, work / "initramfs", out / INITRD_FILE)
+    _make_initramfs(root, kernel_version, [], PROBE_INIT, work / "probe", out / PROBE_INITRD_FILE)
+
+    report("making the root disk")
+    raw = work / "rootfs.raw"
+    size = f"{RECIPE['disk_size_mib']}M"
+    _run(["mkfs.ext4", "-q", "-F", "-L", "rewind-root", "-E", "root_owner=0:0",
+          "-d", str(root), str(raw), size], "mkfs.ext4")
+    _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / DISK_FILE)],
+         "qemu-img convert")
+    shutil.rmtree(work)
+    return kernel_version
+
+
+def _fetch_kernel(work: Path, dest: Path) -> str:
+    depends = _run(["apt-cache", "depends", "--important", RECIPE["kernel"]], "apt-cache")
+    package = next((line.split(":", 1)[1].strip() for line in depends.splitlines()
+                    if line.strip().startswith("Depends:") and "linux-image-" in line), None)
+    if package is None:
+        raise ImageError(f"cannot resolve {RECIPE['kernel']} to a kernel package (run `apt-get update`)")
+    _run(["apt-get", "download", "-q", package], "apt-get download", cwd=work)
+    deb = next(work.glob(f"{package}_*.deb"))
+    _run(["dpkg-deb", "-x", str(deb), str(dest)], "dpkg-deb")
+    deb.unlink()
+    return package.removeprefix("linux-image-")
+
+
+def _module_load_order(root: Path, kernel_version: str, wanted: list[str]) -> list[str]:
+    """Module files (relative to the modules dir) in dependency order, from modules.dep."""
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in (root / "usr/lib/modules" / kernel_version / "modules.dep").read_text().splitlines():
+        path, _, rest = line.partition(":")
+        deps[path] = rest.split()
+        by_name[Path(path).name.split(".ko")[0].replace("-", "_")] = path
+    order: list[str] = []
+
+    def visit(path: str) -> None:
+        if path in order:
+            return
+        for dep in deps.get(path, []):
+            visit(dep)
+        order.append(path)
+
+    for name in wanted:
+        if name not in by_name:
+            raise ImageError(f"kernel {kernel_version} has no module {name}")
+        visit(by_name[name])
+    return order
+
+
+def _make_initramfs(root: Path, kernel_version: str, modules: list[str], init: Path, staging: Path,
+                    out: Path) -> None:
+    """A newc cpio archive: static busybox, `init`, and `modules` listed in load order."""
+    modules_dir = f"lib/modules/{kernel_version}"
+    (staging / "bin").mkdir(parents=True)
+    shutil.copy(root / "usr/bin/busybox", staging / "bin/busybox")
+    shutil.copy(init, staging / "init")
+    (staging / "init").chmod(0o755)
+    for rel in modules:
+        target = staging / modules_dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / "usr" / modules_dir / rel, target)
+    (staging / "modules.load").write_text("".join(f"{modules_dir}/{rel}\n" for rel in modules))
+    files = subprocess.run(["find", "."], cwd=staging, capture_output=True, check=True).stdout
+    with open(out, "wb") as f:
+        done = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc", "-R", "0:0"], cwd=staging,
+                              input=files, stdout=f, stderr=subprocess.PIPE, check=False)
+    if done.returncode != 0:
+        raise ImageError(f"cpio failed: {done.stderr.decode().strip()}")

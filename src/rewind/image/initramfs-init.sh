@@ -1,0 +1,18 @@
+#!/bin/busybox sh
+# The initramfs: load the modules the root disk needs, mount it, hand over to busybox init.
+/bin/busybox --install -s /bin
+mkdir -p /proc /sys /dev /newroot
+mount -t devtmpfs devtmpfs /dev
+mount -t proc proc /proc
+while read -r module; do
+    insmod "/$module" 2>/dev/null
+done < /modules.load
+i=0
+while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+if ! mount -t ext4 -o rw,noatime /dev/vda /newroot; then
+    echo "rewind-initramfs: cannot mount the root disk /dev/vda" >&2
+    poweroff -f
+fi
+umount /proc
+mount --move /dev /newroot/dev
+exec switch_root /newroot /bin/busybox init
