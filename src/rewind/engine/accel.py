@@ -10,6 +10,7 @@ overrides it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.errors import InvalidArgument
 
+log = logging.getLogger("rewind")
 PROBE_MARKER = b"REWIND-PROBE-OK"
 PROBE_TIMEOUT = 8.0
 ACCELS = ("kvm", "tcg")
@@ -52,6 +54,8 @@ def choose_accel(cache_dir: Path, kernel: Path, probe_initrd: Path) -> AccelChoi
     except (OSError, ValueError, KeyError):
         pass
     accel, reason = probe_kvm(kernel, probe_initrd)
+    if accel == "tcg":
+        log.warning("using TCG (software emulation, slower): %s", reason)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as f:
         json.dump({"host": key, **asdict(AccelChoice(accel, reason, "probe"))}, f)

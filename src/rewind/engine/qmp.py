@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,9 @@ class Monitor:
 
     def close(self) -> None:
         if self._qmp is not None:
-            try:
+            # The peer may already be gone (after `quit`); closing must not fail then.
+            with contextlib.suppress(Exception):
                 self._qmp.close()
-            except Exception:  # noqa: BLE001 - the peer may already be gone (after `quit`)
-                pass
             self._qmp = None
 
     def cmd(self, name: str, **args: Any) -> Any:
@@ -62,10 +62,8 @@ class Monitor:
 
     def quit(self) -> None:
         """Ask QEMU to exit; the monitor closing under us is the expected answer."""
-        try:
+        with contextlib.suppress(MonitorError):
             self.cmd("quit")
-        except MonitorError:
-            pass
         self.close()
 
     def wait_migration(self, timeout: float = 120.0) -> dict:

@@ -12,6 +12,7 @@ into the guest.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -24,6 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from protocol import CHUNK, Decoder, encode  # noqa: E402
 
 PORT_PREFIX = "rewind.agent."
@@ -176,10 +178,8 @@ def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -264,10 +264,8 @@ def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: 
         forward(fd)
     for f in (proc.stdout, proc.stderr, proc.stdin):
         if f:
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
     code = TIMEOUT_EXIT_CODE if timed_out else proc.returncode
     if code < 0:
         code = 128 - code  # killed by a signal: report it as a shell does
@@ -290,14 +288,10 @@ def feed_stdin(poller, proc, fd: int, buf: bytearray, closing: bool) -> int | No
         buf.clear()
         closing = True
     if closing:
-        try:
+        with contextlib.suppress(FileNotFoundError, KeyError):
             poller.unregister(fd)
-        except (FileNotFoundError, KeyError):
-            pass
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-        except OSError:
-            pass
         return None
     return fd
 
@@ -364,10 +358,8 @@ def handle_write(port: Port, req: dict, _payload: bytes) -> None:
         if fd >= 0:
             os.close(fd)
         if not done:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
     port.send({"t": "ok"})
 
 
@@ -444,10 +436,8 @@ def serve(port: Port) -> None:
                 port.send(error_frame(e.kind, str(e)))
         except Reset as r:
             if r.nonce is not None:
-                try:
+                with contextlib.suppress(Reset):
                     port.send({"t": "hello", "nonce": r.nonce})
-                except Reset:
-                    pass
 
 
 def main() -> None:

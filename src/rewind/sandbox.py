@@ -1,0 +1,188 @@
+"""The public Python API: `from rewind import Sandbox`.
+
+A Sandbox is a handle on one machine. It holds no connection between calls:
+every call takes the machine's lock, talks to its guest agent and lets go, so
+several handles (in several processes) can share one machine safely.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from rewind.engine.agent import ExecResult
+from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
+from rewind.errors import CommandFailed, InvalidArgument
+from rewind.home import Home
+
+__all__ = ["ExecResult", "Files", "Sandbox"]
+
+Command = str | list[str]
+
+
+def _engine(home: Home | str | os.PathLike[str] | None) -> Engine:
+    if isinstance(home, Home):
+        return Engine(home)
+    return Engine(Home.from_env(home))
+
+
+def command_argv(cmd: Command) -> list[str]:
+    """A string runs under `bash -c`; a list runs the program directly."""
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise InvalidArgument("the command is empty")
+        return ["bash", "-c", cmd]
+    if isinstance(cmd, list | tuple) and cmd and all(isinstance(a, str) for a in cmd):
+        return list(cmd)
+    raise InvalidArgument("the command must be a non-empty string or a non-empty list of strings")
+
+
+class Sandbox:
+    """A machine you can run commands in. Create with `Sandbox.create()`, find with `Sandbox.get()`.
+
+    Used as a context manager, the machine is deleted when the block ends.
+    """
+
+    def __init__(self, machine: Machine) -> None:
+        self._machine = machine
+        self.files = Files(machine)
+
+    # ---- finding and creating ----
+
+    @classmethod
+    def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
+               disk: int = 0, labels: dict[str, str] | None = None,
+               home: Home | str | os.PathLike[str] | None = None,
+               progress: Callable[[str], None] | None = None) -> Sandbox:
+        """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size)."""
+        machine = _engine(home).create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
+                                       report=progress or (lambda _: None))
+        return cls(machine)
+
+    @classmethod
+    def get(cls, name: str, *, home: Home | str | os.PathLike[str] | None = None) -> Sandbox:
+        return cls(_engine(home).get(name))
+
+    @classmethod
+    def list(cls, labels: dict[str, str] | None = None, *,
+             home: Home | str | os.PathLike[str] | None = None) -> list[Sandbox]:
+        return [cls(m) for m in _engine(home).list(labels)]
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete()
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.name!r}, status={self.status!r})"
+
+    # ---- state ----
+
+    @property
+    def name(self) -> str:
+        return self._machine.name
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._machine.record.labels)
+
+    @property
+    def status(self) -> str:
+        """running, stopped, or dead (its QEMU exited without being asked to)."""
+        self._machine.reload()
+        return self._machine.status()
+
+    def info(self) -> MachineInfo:
+        self._machine.reload()
+        return self._machine.info()
+
+    # ---- running commands ----
+
+    def exec(self, cmd: Command, *, cwd: str | None = None, env: dict[str, str] | None = None,
+             timeout: float | None = None, stdin: str | bytes | None = None, check: bool = False,
+             on_stdout: Callable[[str], None] | None = None,
+             on_stderr: Callable[[str], None] | None = None,
+             max_output: int | None = None) -> ExecResult:
+        """Run a command in the machine and wait for it.
+
+        A non-zero exit is returned, not raised, unless `check=True`. At
+        `timeout` seconds the command's whole process group is killed and the
+        result has `timed_out=True`. Output is streamed to `on_stdout` /
+        `on_stderr` as it comes; each stream keeps at most `max_output` bytes
+        (16 MiB by default) and says if it was truncated.
+        """
+        argv = command_argv(cmd)
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgument(f"timeout must be a positive number of seconds (got {timeout})")
+        if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidArgument("env must map strings to strings")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        with self._machine.agent() as agent:
+            result = agent.exec(argv, cwd=cwd, env=env, timeout=timeout, stdin=data, max_output=max_output,
+                                on_stdout=on_stdout, on_stderr=on_stderr)
+        if check and not result.ok:
+            why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
+            raise CommandFailed(f"command {why}: {argv!r}", result)
+        return result
+
+    # ---- lifecycle ----
+
+    def start(self, progress: Callable[[str], None] | None = None) -> None:
+        """Start a stopped machine again (it boots from its disk)."""
+        self._machine.start(progress or (lambda _: None))
+
+    def stop(self) -> None:
+        """Stop the machine. Its disk is kept; running processes end."""
+        self._machine.stop()
+
+    def delete(self) -> None:
+        """Stop the machine if it runs and remove everything it had."""
+        self._machine.delete()
+
+
+class Files:
+    """Files inside a machine: `sbx.files.read/write/upload/download`."""
+
+    def __init__(self, machine: Machine) -> None:
+        self._machine = machine
+
+    def read(self, path: str) -> bytes:
+        buf = io.BytesIO()
+        with self._machine.agent() as agent:
+            agent.read_file(path, buf)
+        return buf.getvalue()
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return self.read(path).decode(encoding)
+
+    def write(self, path: str, data: str | bytes, mode: int | None = None) -> None:
+        """Write a whole file (parents are created); it appears whole or not at all."""
+        raw = data.encode() if isinstance(data, str) else data
+        with self._machine.agent() as agent:
+            agent.write_file(path, io.BytesIO(raw), mode)
+
+    def upload(self, local: str | os.PathLike[str], path: str) -> None:
+        """Copy a host file into the machine, keeping its permission bits."""
+        local = Path(local)
+        if not local.is_file():
+            raise InvalidArgument(f"not a file on this host: {local}")
+        with open(local, "rb") as src, self._machine.agent() as agent:
+            agent.write_file(path, src, local.stat().st_mode & 0o7777)
+
+    def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        """Copy a file out of the machine; the host file appears only once complete."""
+        local = Path(local)
+        if local.is_dir():
+            local = local / Path(path).name
+        tmp = local.with_name(f".{local.name}.rewind-partial")
+        try:
+            with open(tmp, "wb") as sink, self._machine.agent() as agent:
+                mode = agent.read_file(path, sink)
+            os.chmod(tmp, mode & 0o777)
+            shutil.move(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
