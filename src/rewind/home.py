@@ -9,8 +9,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Home:
-    """The state directory. `images` may be pointed elsewhere (REWIND_IMAGES) so that
-    several homes, such as a test suite's temporary ones, share one built image."""
+    """The state directory. `images` (built images, booted templates and the host's
+    accelerator verdict) may be pointed elsewhere with REWIND_IMAGES, so that several
+    homes, such as a test suite's temporary ones, share one built image."""
 
     root: Path
     images: Path
@@ -25,6 +26,3 @@ class Home:
     def machines(self) -> Path:
         return self.root / "machines"
 
-    @property
-    def cache(self) -> Path:
-        return self.root / "cache"

@@ -35,7 +35,7 @@ def command_argv(cmd: Command) -> list[str]:
         if not cmd.strip():
             raise InvalidArgument("the command is empty")
         return ["bash", "-c", cmd]
-    if isinstance(cmd, list | tuple) and cmd and all(isinstance(a, str) for a in cmd):
+    if isinstance(cmd, list | tuple) and cmd and all(isinstance(a, str) for a in cmd) and cmd[0]:
         return list(cmd)
     raise InvalidArgument("the command must be a non-empty string or a non-empty list of strings")
 

@@ -111,7 +111,11 @@ class AgentClient:
                 self._alive()
                 raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
             if not data:
-                self._alive()
+                # Only an exiting QEMU closes the channel: give it a moment to be seen as dead.
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    self._alive()
+                    time.sleep(0.05)
                 raise AgentGone("the guest agent's channel closed (QEMU exited?)")
             self._decoder.feed(data)
 
@@ -126,6 +130,10 @@ class AgentClient:
                 if header is None:
                     self._alive()
                     raise AgentGone("the guest agent stopped answering (killed, or the guest hung)")
+            if header.get("t") == "pong" and not header.get("busy"):
+                # An idle agent answered: the one serving this request is gone (killed and restarted).
+                raise AgentGone("the guest agent restarted while serving this request (was it killed?); "
+                                "the request's outcome is unknown")
             if header.get("t") in ("pong", "hello"):
                 continue  # heartbeats, and answers to hellos resent while the agent was starting
             if header.get("t") == "error":

@@ -221,15 +221,16 @@ class Machine:
         report(f"booting {self.name} from its disk")
         self.record.pid = launch(self._spec(None), self.path)
 
+    def _check_starting(self) -> None:
+        """check_alive for a machine still being started (its record is not yet 'running')."""
+        r = self.record
+        if r.pid is None or not process_alive(r.pid, r.uuid):
+            raise MachineDied(f"machine {r.name!r}: QEMU exited while starting "
+                              f"(see {self.path / 'console.log'})")
+
     def _apply_identity(self, connect_timeout: float) -> None:
         r = self.record
-
-        def alive() -> None:
-            if r.pid is None or not process_alive(r.pid, r.uuid):
-                raise MachineDied(f"machine {r.name!r}: QEMU exited while starting "
-                                  f"(see {self.path / 'console.log'})")
-
-        with AgentClient(self.path / agent_socket(0), alive=alive,
+        with AgentClient(self.path / agent_socket(0), alive=self._check_starting,
                          connect_timeout=connect_timeout) as client:
             client.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                                 seed=secrets.token_hex(32), time=time.time())
@@ -238,7 +239,7 @@ class Machine:
         """Grow the virtual disk (the guest sees the new size at once) and its file system."""
         with self.monitor() as mon:
             mon.cmd("block_resize", **{"node-name": "disk0", "size": disk_mib << 20})
-        with AgentClient(self.path / agent_socket(0), alive=self.check_alive) as client:
+        with AgentClient(self.path / agent_socket(0), alive=self._check_starting) as client:
             result = client.exec(["resize2fs", "/dev/vda"], timeout=120)
         if result.exit_code != 0:
             raise RewindError(f"could not grow the root file system: {result.stderr.strip()}")
@@ -319,7 +320,7 @@ class Engine:
     def accel(self) -> AccelChoice:
         if self._accel is None:
             image = self.image()
-            self._accel = choose_accel(self.home.cache, image.kernel, image.probe_initrd)
+            self._accel = choose_accel(self.home.images, image.kernel, image.probe_initrd)
         return self._accel
 
     def template(self, memory_mib: int, cpus: int, report: Report = lambda _: None) -> Template:

@@ -244,7 +244,7 @@ def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: 
                         elif header.get("t") == "stdin_end":
                             stdin_closing = True
                         elif header.get("t") == "ping":
-                            port.send({"t": "pong"})
+                            port.send({"t": "pong", "busy": True})
                         elif header.get("t") == "signal":
                             os.killpg(proc.pid, int(header.get("signal", signal.SIGTERM)))
                 elif fd == stdin_fd:
@@ -344,6 +344,8 @@ def handle_write(port: Port, req: dict, _payload: bytes) -> None:
                     view = view[os.write(fd, view) :]
             elif header.get("t") == "end":
                 break
+            elif header.get("t") == "ping":
+                port.send({"t": "pong", "busy": True})
             else:
                 raise RequestError("bad_request", f"unexpected frame during write: {header.get('t')}")
         if "mode" in req:

@@ -1,0 +1,69 @@
+"""Shared fixtures. Tests that claim a machine's behaviour run real QEMU guests.
+
+One built image (and its booted template) is shared by the whole suite: it
+lives where REWIND_IMAGES points, else in the default home's image cache,
+and is built on first use. Each test gets its own REWIND_HOME; every machine
+a test starts is deleted (its QEMU ended by PID) when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rewind import Home, Sandbox
+from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine.qemu import process_alive
+from rewind.image import build_image
+
+
+@pytest.fixture(scope="session")
+def images_dir() -> Path:
+    path = Path(os.environ.get("REWIND_IMAGES") or Home.from_env().root / "images")
+    build_image(path, report=lambda step: print(f"image: {step}", file=sys.stderr))
+    engine = Engine(Home(root=path.parent / "template-home", images=path))
+    engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
+    return path
+
+
+def _cleanup(home: Home) -> None:
+    engine = Engine(home)
+    for machine in engine.list():
+        pid, tag = machine.record.pid, machine.record.uuid
+        machine.delete()
+        assert pid is None or not process_alive(pid, tag), f"QEMU {pid} outlived its machine"
+
+
+@pytest.fixture
+def home(tmp_path: Path, images_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Home]:
+    """A fresh REWIND_HOME sharing the suite's image; machines left in it are deleted."""
+    h = Home(root=tmp_path / "home", images=images_dir)
+    monkeypatch.setenv("REWIND_HOME", str(h.root))
+    monkeypatch.setenv("REWIND_IMAGES", str(images_dir))
+    yield h
+    _cleanup(h)
+
+
+@pytest.fixture(scope="module")
+def shared_home(tmp_path_factory: pytest.TempPathFactory, images_dir: Path) -> Iterator[Home]:
+    h = Home(root=tmp_path_factory.mktemp("shared") / "home", images=images_dir)
+    yield h
+    _cleanup(h)
+
+
+@pytest.fixture(scope="module")
+def sbx(shared_home: Home) -> Sandbox:
+    """One machine shared by a module's tests that do not care about a pristine guest."""
+    return Sandbox.create("shared", home=shared_home)
+
+
+def rewind_cli(*args: str, env: dict[str, str] | None = None, input: bytes | None = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the installed `rewind` command as a user would."""
+    return subprocess.run([sys.executable, "-m", "rewind.cli", *args], capture_output=True, input=input,
+                          env={**os.environ, **(env or {})}, timeout=timeout, check=False)

@@ -1,0 +1,163 @@
+"""Machine lifecycle: identity, settings, listing, stop/start, deletion, death, locks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rewind import AgentGone, Busy, Home, MachineDied, MachineNotRunning, NotFound, Sandbox
+from rewind.engine import machine as machine_module
+from rewind.engine.qemu import process_alive
+
+
+def _identity(sbx: Sandbox) -> list[str]:
+    out = sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout
+    return out.split()
+
+
+def _vmgenid(sbx: Sandbox) -> str:
+    with sbx._machine.monitor() as mon:
+        return mon.cmd("query-vm-generation-id")["guid"]
+
+
+def test_two_machines_get_their_own_identity(home: Home) -> None:
+    a = Sandbox.create("alpha", home=home)
+    b = Sandbox.create("beta", home=home)
+    ida, idb = _identity(a), _identity(b)
+    assert ida[0] == "alpha" and idb[0] == "beta"
+    assert ida[1] != idb[1], "machine-id is shared"
+    assert ida[2] != idb[2], "MAC address is shared"
+    assert a.exec("cat /etc/hostname").stdout.strip() == "alpha"
+    assert _vmgenid(a) != _vmgenid(b)
+    # Both started from the same saved state, yet their random generators differ.
+    assert a.exec("head -c 16 /dev/urandom | od -An -tx1").stdout != \
+        b.exec("head -c 16 /dev/urandom | od -An -tx1").stdout
+
+
+def test_clock_is_the_present(home: Home) -> None:
+    sbx = Sandbox.create(home=home)
+    guest = float(sbx.exec("date +%s.%N").stdout)
+    assert abs(guest - time.time()) < 5
+
+
+def test_labels_and_list(home: Home) -> None:
+    Sandbox.create("one", labels={"team": "a"}, home=home)
+    Sandbox.create("two", labels={"team": "b"}, home=home)
+    assert [s.name for s in Sandbox.list(home=home)] == ["one", "two"]
+    assert [s.name for s in Sandbox.list({"team": "b"}, home=home)] == ["two"]
+    assert Sandbox.get("one", home=home).labels == {"team": "a"}
+
+
+def test_memory_cpus_and_disk_are_settable(home: Home) -> None:
+    sbx = Sandbox.create("sized", memory=384, cpus=1, disk=10240, home=home)
+    assert sbx.exec("nproc").stdout.strip() == "1"
+    mem_kib = int(sbx.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
+    assert 300 * 1024 < mem_kib <= 384 * 1024
+    size_kib = int(sbx.exec("df -k --output=size / | tail -1").stdout)
+    assert size_kib > 9 * 1024 * 1024, "the root file system did not grow to the disk's size"
+
+
+def test_context_manager_deletes_the_machine(home: Home) -> None:
+    with Sandbox.create("temp", home=home) as sbx:
+        pid = sbx.info().pid
+        assert sbx.exec("true").ok
+    assert not (home.machines / "temp").exists()
+    assert pid is not None and not process_alive(pid, sbx._machine.record.uuid)
+
+
+def test_stop_keeps_files_and_start_boots_again(home: Home) -> None:
+    sbx = Sandbox.create("sleeper", home=home)
+    sbx.files.write("/root/keep.txt", "still here\n")
+    pid = sbx.info().pid
+    sbx.stop()
+    assert sbx.status == "stopped"
+    assert not process_alive(pid, sbx._machine.record.uuid)
+    assert not list((home.machines / "sleeper").glob("*.sock")), "stale sockets after stop"
+    with pytest.raises(MachineNotRunning, match="stopped"):
+        sbx.exec("true")
+    sbx.start()
+    assert sbx.status == "running"
+    assert sbx.files.read_text("/root/keep.txt") == "still here\n"
+    assert _identity(sbx)[0] == "sleeper"
+
+
+def test_delete_leaves_no_process_or_file(home: Home) -> None:
+    sbx = Sandbox.create("gone", home=home)
+    pid, tag = sbx.info().pid, sbx._machine.record.uuid
+    sbx.delete()
+    assert not process_alive(pid, tag)
+    assert not (home.machines / "gone").exists()
+    with pytest.raises(NotFound):
+        Sandbox.get("gone", home=home)
+
+
+def test_killed_qemu_is_reported_dead(home: Home) -> None:
+    sbx = Sandbox.create("victim", home=home)
+    os.kill(sbx.info().pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while sbx.status != "dead" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sbx.status == "dead"
+    assert [i.status for i in (s.info() for s in Sandbox.list(home=home))] == ["dead"]
+    with pytest.raises(MachineDied, match="dead"):
+        sbx.exec("true")
+    sbx.delete()
+    assert not (home.machines / "victim").exists()
+
+
+def test_guest_power_off_is_noticed(home: Home) -> None:
+    sbx = Sandbox.create("poweroff", home=home)
+    with pytest.raises(MachineDied):
+        sbx.exec("sync; busybox poweroff -f")
+    assert sbx.status == "dead"
+
+
+def test_killed_agent_is_a_clean_error_and_comes_back(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rewind.engine import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "HEARTBEAT_GRACE", 3.0)
+    sbx = Sandbox.create("agentless", home=home)
+    with pytest.raises(AgentGone):
+        sbx.exec("kill -9 $(pgrep -f rewind/agent.py)")
+    assert sbx.status == "running"
+    # busybox init restarts the agent; the machine is usable again.
+    assert sbx.exec("echo back").stdout == "back\n"
+
+
+def test_concurrent_commands_on_one_machine(home: Home) -> None:
+    sbx = Sandbox.create("busy", home=home)
+    results: list[str] = []
+
+    def run(i: int) -> None:
+        results.append(sbx.exec(f"sleep 1; echo {i}").stdout.strip())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["0", "1", "2"]
+    assert time.monotonic() - started < 2.9, "commands were serialised instead of run side by side"
+
+
+def test_stop_waits_for_a_running_command_or_fails_clearly(home: Home,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    sbx = Sandbox.create("locked", home=home)
+    outcome: dict[str, object] = {}
+    t = threading.Thread(target=lambda: outcome.update(r=sbx.exec("sleep 3; echo done")))
+    t.start()
+    time.sleep(1.0)
+    monkeypatch.setattr(machine_module, "LOCK_TIMEOUT", 0.5)
+    with pytest.raises(Busy, match="busy"):
+        sbx.stop()
+    assert sbx.status == "running"
+    monkeypatch.setattr(machine_module, "LOCK_TIMEOUT", 30.0)
+    sbx.stop()  # waits for the command to finish, then stops
+    t.join()
+    assert outcome["r"].stdout == "done\n"
+    assert sbx.status == "stopped"
