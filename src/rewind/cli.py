@@ -298,7 +298,7 @@ def main() -> None:
         err_console.print("rewind: interrupted")
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"rewind: error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except RewindError as e:
         click.echo(f"rewind: error: {e}", err=True)
