@@ -17,7 +17,6 @@ import re
 import secrets
 import shlex
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -384,9 +383,7 @@ class Engine:
         try:
             with file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
                 machine._save()
-                subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
-                                str(template.disk), str(path / "disk.qcow2")],
-                               check=True, capture_output=True)
+                shutil.copyfile(template.empty_overlay, path / "disk.qcow2")
                 machine._start_from_template(template)
                 machine._apply_identity(connect_timeout=30)
                 if disk_mib > base_mib:

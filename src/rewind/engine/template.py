@@ -11,6 +11,7 @@ loads the small device stream and runs on.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shlex
@@ -28,10 +29,11 @@ from rewind.engine.locks import file_lock
 from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch, process_alive, wait_exit
 from rewind.engine.qmp import Monitor
 from rewind.errors import ImageError, MachineDied
-from rewind.image import Image
+from rewind.image import RECIPE, Image
 
 TEMPLATE_MAC = "52:54:00:00:00:01"
 BOOT_TIMEOUT = 180.0
+TEMPLATE_VERSION = 2  # bump when the way templates are made changes: old ones are then ignored
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,14 @@ class Template:
     def disk(self) -> Path:
         return self.path / "disk.qcow2"
 
+    @property
+    def empty_overlay(self) -> Path:
+        """An empty qcow2 over `disk`: a machine's disk starts as a copy of it."""
+        return self.path / "overlay.qcow2"
+
 
 def template_dir(image: Image, accel: str, memory_mib: int, cpus: int) -> Path:
-    return image.path / "templates" / f"{accel}-{memory_mib}m-{cpus}c"
+    return image.path / "templates" / f"{accel}-{memory_mib}m-{cpus}c-v{TEMPLATE_VERSION}"
 
 
 def find_template(image: Image, accel: str, memory_mib: int, cpus: int) -> Template | None:
@@ -80,14 +87,28 @@ def ensure_template(image: Image, accel: str, memory_mib: int, cpus: int,
         report(f"booting a {memory_mib} MiB, {cpus}-vCPU guest once to save it running ({accel})")
         staging = Path(tempfile.mkdtemp(prefix=".new-", dir=final.parent))
         try:
-            _boot_and_save(image, accel, memory_mib, cpus, staging)
+            _boot_and_save(image, accel, memory_mib, cpus, staging, final)
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return Template(final, accel, memory_mib, cpus)
 
 
-def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Path) -> None:
+def _warm_up(agent: AgentClient) -> None:
+    """Walk the paths a new machine takes first (identity, exec, files), so that what the
+    guest loads lazily (Python modules, binaries, directory entries) is already in the
+    saved state instead of being loaded by every new machine."""
+    agent.set_identity(hostname="rewind", machine_id="0" * 32, mac=TEMPLATE_MAC, seed="00" * 32,
+                       time=time.time())
+    for argv in (["true"], ["bash", "-c", "true"]):
+        agent.exec(argv)
+    agent.write_file("/tmp/.rewind-warm-up", io.BytesIO(b"x"))
+    agent.read_file("/tmp/.rewind-warm-up", io.BytesIO())
+    agent.exec(["rm", "-f", "/tmp/.rewind-warm-up"])
+
+
+def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Path,
+                   final: Path) -> None:
     tmpl = Template(out, accel, memory_mib, cpus)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
                     str(image.disk.resolve()), str(tmpl.disk)], check=True, capture_output=True)
@@ -105,7 +126,8 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
         started = time.monotonic()
         with AgentClient(out / agent_socket(0), alive=alive, connect_timeout=BOOT_TIMEOUT) as agent:
             agent.ping()
-        boot_seconds = time.monotonic() - started
+            boot_seconds = time.monotonic() - started
+            _warm_up(agent)
         with Monitor(out / QMP_SOCKET) as mon:
             mon.cmd("stop")
             mon.cmd("migrate-set-capabilities",
@@ -117,6 +139,10 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
             raise ImageError("the template guest's QEMU did not exit after saving")
     finally:
         kill(pid, tag)
+    # -u: the backing file's final path does not exist until the template is renamed into place.
+    subprocess.run(["qemu-img", "create", "-q", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
+                    str(final / tmpl.disk.name), str(tmpl.empty_overlay), f"{RECIPE['disk_size_mib']}M"],
+                   check=True, capture_output=True)
     for leftover in out.glob("*.sock"):
         leftover.unlink()
     (out / "template.json").write_text(json.dumps(
