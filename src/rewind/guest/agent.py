@@ -178,9 +178,18 @@ def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the command's process group and wait until it is gone: its leader reaped by
+    us, the rest (reparented to init) reaped by init, so nothing of it outlives the call."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
 
 
 def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: int):
@@ -227,8 +236,7 @@ def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: 
             events = poller.poll(wait if wait is not None else -1)
             if deadline is not None and time.monotonic() >= deadline and proc.poll() is None:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_group(proc)
                 break
             for fd, _ in events:
                 if fd in outs:
