@@ -70,7 +70,7 @@ def main() -> None:
     print(f"accel {result['machine']['accel']}, {result['machine']['qemu']}")
     for key in ("start_to_first_exec_s", "exec_true_s", "idle_rss_mib", "idle_pss_mib"):
         s = result[key]
-        print(f"{key:24} median {s['median']:8.3f}   min {s['min']:8.3f}   max {s['max']:8.3f}   (n={s['n']})")
+        print(f"{key:24} median {s['median']:8.3f}  min {s['min']:8.3f}  max {s['max']:8.3f}  (n={s['n']})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

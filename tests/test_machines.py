@@ -9,9 +9,11 @@ import time
 
 import pytest
 
-from rewind import AgentGone, Busy, Home, MachineDied, MachineNotRunning, NotFound, Sandbox
+from rewind import AgentGone, Busy, Home, ImageError, MachineDied, MachineNotRunning, NotFound, Sandbox
 from rewind.engine import machine as machine_module
+from rewind.engine.machine import Engine
 from rewind.engine.qemu import process_alive
+from rewind.image import find_image, import_image
 
 
 def _identity(sbx: Sandbox) -> list[str]:
@@ -161,3 +163,17 @@ def test_stop_waits_for_a_running_command_or_fails_clearly(home: Home,
     t.join()
     assert outcome["r"].stdout == "done\n"
     assert sbx.status == "stopped"
+
+
+def test_an_imported_image_runs(home: Home, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's own image (here, the default one's files given back as if they were the user's)."""
+    base = find_image(home.images)
+    mine = import_image(tmp_path / "images", "mine", base.kernel, base.initrd, base.disk)
+    assert mine.disk_size_mib == base.disk_size_mib
+    monkeypatch.setenv("REWIND_ACCEL", Engine(home).accel().accel)  # no default image there to probe with
+    own_home = Home(root=home.root, images=tmp_path / "images")
+    sbx = Sandbox.create("custom", image="mine", home=own_home)
+    assert sbx.exec("cat /etc/hostname").stdout == "custom\n"
+    assert sbx._machine.record.image_id == "mine"
+    with pytest.raises(ImageError, match="no image named 'other'"):
+        Sandbox.create("nope", image="other", home=own_home)

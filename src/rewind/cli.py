@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import click
@@ -25,7 +26,7 @@ from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
 from rewind.errors import ImageError, InvalidArgument, RewindError
-from rewind.image import build_image, find_image, recipe_id
+from rewind.image import build_image, find_image, import_image, list_images, recipe_id
 from rewind.sandbox import Sandbox
 
 err_console = Console(stderr=True)
@@ -84,9 +85,10 @@ def cli() -> None:
 @click.option("--cpus", default=DEFAULT_CPUS, show_default=True, type=int, help="Virtual CPUs.")
 @click.option("--disk", default=None, help="Root disk size (default: the image's, 8G).")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
+@click.option("--image", "image_name", default=None, help="An imported image (default: the built one).")
 @json_option
 def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str, ...],
-          as_json: bool) -> None:
+          image_name: str | None, as_json: bool) -> None:
     """Start machine NAME: a new one, or a stopped one again."""
     engine = Engine()
     existing = {m.name for m in engine.list()}
@@ -96,7 +98,7 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
             sbx.start(report)
         else:
             sbx = Sandbox.create(name, memory=parse_mib(memory), cpus=cpus,
-                                 disk=parse_mib(disk) if disk else 0,
+                                 disk=parse_mib(disk) if disk else 0, image=image_name,
                                  labels=parse_pairs(labels, "--label"), progress=report)
     info = sbx.info()
     if as_json:
@@ -223,13 +225,47 @@ def image_build(force: bool, as_json: bool) -> None:
         built = build_image(engine.home.images, force=force, report=report)
         accel = engine.accel()
         report(f"accelerator: {accel.accel} ({accel.reason})")
-        engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report)
+        engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report=report)
     data = {"id": built.id, "path": str(built.path), "kernel": built.kernel_version,
             "accel": accel.accel, "seconds": round(time.monotonic() - started, 1)}
     if as_json:
         emit_json(data)
     else:
         click.echo(f"image {built.id} ready at {built.path}")
+
+
+@image.command(name="import")
+@click.argument("name")
+@click.option("--kernel", required=True, type=click.Path(dir_okay=False), help="The guest kernel.")
+@click.option("--initrd", required=True, type=click.Path(dir_okay=False), help="Its initramfs.")
+@click.option("--disk", required=True, type=click.Path(dir_okay=False), help="Root disk, raw or qcow2.")
+@json_option
+def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) -> None:
+    """Add an image of your own as NAME (use it with `rewind start --image NAME`).
+
+    The guest must mount /dev/vda as its root and run rewind's guest agent as root
+    (see the README); the default image shows how.
+    """
+    imported = import_image(Engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
+    if as_json:
+        emit_json({"id": imported.id, "path": str(imported.path), "disk_size_mib": imported.disk_size_mib})
+    else:
+        click.echo(f"image {imported.id} imported at {imported.path}")
+
+
+@image.command(name="ls")
+@json_option
+def image_ls(as_json: bool) -> None:
+    """List images; the default one is the built recipe's."""
+    default = recipe_id()
+    rows = [{"id": i.id, "default": i.id == default, "kernel": i.kernel_version,
+             "disk_size_mib": i.disk_size_mib, "path": str(i.path)}
+            for i in list_images(Engine().home.images)]
+    if as_json:
+        emit_json(rows)
+        return
+    for row in rows:
+        click.echo(f"{row['id']:20} {'default' if row['default'] else '':8} {row['kernel']:16} {row['path']}")
 
 
 @cli.command()
@@ -268,7 +304,7 @@ def demo(keep: bool) -> None:
     engine = Engine()
     with progress(True) as report:
         build_image(engine.home.images, report=report)
-        engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report)
+        engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report=report)
     started = time.monotonic()
     sbx = Sandbox.create(labels={"role": "demo"})
     click.echo(f"started machine {sbx.name} in {time.monotonic() - started:.2f} s")

@@ -54,12 +54,13 @@ class Sandbox:
 
     @classmethod
     def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
-               disk: int = 0, labels: dict[str, str] | None = None,
+               disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                home: Home | str | os.PathLike[str] | None = None,
                progress: Callable[[str], None] | None = None) -> Sandbox:
-        """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size)."""
+        """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size);
+        `image` names an imported image (`rewind image import`), default the built one."""
         machine = _engine(home).create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
-                                       report=progress or (lambda _: None))
+                                       image=image, report=progress or (lambda _: None))
         return cls(machine)
 
     @classmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.errors import InvalidArgument
+from rewind.image import Image
 
 log = logging.getLogger("rewind")
 PROBE_MARKER = b"REWIND-PROBE-OK"
@@ -39,7 +40,8 @@ def _host_key() -> str:
     return f"{platform.node()}|{platform.release()}|{qemu.stdout.splitlines()[0] if qemu.stdout else '?'}"
 
 
-def choose_accel(cache_dir: Path, kernel: Path, probe_initrd: Path) -> AccelChoice:
+def choose_accel(cache_dir: Path, image: Image | None) -> AccelChoice:
+    """The accelerator to use; `image` (the default one) provides the probe's kernel."""
     forced = os.environ.get("REWIND_ACCEL")
     if forced:
         if forced not in ACCELS:
@@ -53,7 +55,10 @@ def choose_accel(cache_dir: Path, kernel: Path, probe_initrd: Path) -> AccelChoi
             return AccelChoice(cached["accel"], cached["reason"], "cache")
     except (OSError, ValueError, KeyError):
         pass
-    accel, reason = probe_kvm(kernel, probe_initrd)
+    if image is None or not image.probe_initrd.is_file():
+        log.warning("using TCG: no probe image to test KVM with (run `rewind image build`)")
+        return AccelChoice("tcg", "no probe image to test KVM with", "default")
+    accel, reason = probe_kvm(image.kernel, image.probe_initrd)
     if accel == "tcg":
         log.warning("using TCG (software emulation, slower): %s", reason)
     cache_dir.mkdir(parents=True, exist_ok=True)

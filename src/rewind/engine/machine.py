@@ -41,6 +41,7 @@ from rewind.engine.qmp import Monitor, MonitorError
 from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template
 from rewind.errors import (
     AlreadyExists,
+    ImageError,
     InvalidArgument,
     MachineDied,
     MachineNotRunning,
@@ -48,7 +49,7 @@ from rewind.errors import (
     RewindError,
 )
 from rewind.home import Home
-from rewind.image import RECIPE, Image, find_image
+from rewind.image import Image, find_image
 
 DEFAULT_MEMORY_MIB = 512
 DEFAULT_CPUS = 2
@@ -199,7 +200,7 @@ class Machine:
 
     def _spec(self, template: Template | None) -> VmSpec:
         r = self.record
-        image = self.engine.image()
+        image = self.engine.image(r.image_id)
         return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
                       kernel=image.kernel, initrd=image.initrd, disk=self.path / "disk.qcow2",
                       ram_file=template.ram if template else None, ram_shared=False,
@@ -308,22 +309,24 @@ class Engine:
 
     def __init__(self, home: Home | None = None) -> None:
         self.home = home or Home.from_env()
-        self._image: Image | None = None
         self._accel: AccelChoice | None = None
 
-    def image(self) -> Image:
-        if self._image is None:
-            self._image = find_image(self.home.images)
-        return self._image
+    def image(self, image_id: str | None = None) -> Image:
+        """An image by id, or the default one."""
+        return find_image(self.home.images, image_id)
 
     def accel(self) -> AccelChoice:
         if self._accel is None:
-            image = self.image()
-            self._accel = choose_accel(self.home.images, image.kernel, image.probe_initrd)
+            try:
+                default: Image | None = self.image()
+            except ImageError:
+                default = None  # only imported images here
+            self._accel = choose_accel(self.home.images, default)
         return self._accel
 
-    def template(self, memory_mib: int, cpus: int, report: Report = lambda _: None) -> Template:
-        return ensure_template(self.image(), self.accel().accel, memory_mib, cpus, report)
+    def template(self, memory_mib: int, cpus: int, image: Image | None = None,
+                 report: Report = lambda _: None) -> Template:
+        return ensure_template(image or self.image(), self.accel().accel, memory_mib, cpus, report)
 
     def _path(self, name: str) -> Path:
         return self.home.machines / validate_name(name)
@@ -355,18 +358,19 @@ class Engine:
 
     def create(self, name: str | None = None, *, memory_mib: int = DEFAULT_MEMORY_MIB,
                cpus: int = DEFAULT_CPUS, disk_mib: int = 0, labels: dict[str, str] | None = None,
-               report: Report = lambda _: None) -> Machine:
+               image: str | None = None, report: Report = lambda _: None) -> Machine:
         """Create and start a machine from the booted template. Nothing is left behind on failure."""
         name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
         if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
             raise InvalidArgument(f"memory must be at least {MIN_MEMORY_MIB} MiB (got {memory_mib})")
         if not isinstance(cpus, int) or not 1 <= cpus <= MAX_CPUS:
             raise InvalidArgument(f"cpus must be between 1 and {MAX_CPUS} (got {cpus})")
-        base_mib = RECIPE["disk_size_mib"]
+        labels = parse_labels(labels)
+        chosen = self.image(image)
+        base_mib = chosen.disk_size_mib
         if not isinstance(disk_mib, int) or (disk_mib and disk_mib < base_mib):
             raise InvalidArgument(f"disk must be at least the image's {base_mib} MiB (got {disk_mib})")
-        labels = parse_labels(labels)
-        template = self.template(memory_mib, cpus, report)
+        template = self.template(memory_mib, cpus, chosen, report)
         self.home.machines.mkdir(parents=True, exist_ok=True)
         path = self.home.machines / name
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"):
@@ -376,7 +380,7 @@ class Engine:
                 raise AlreadyExists(f"a machine named {name!r} already exists") from None
         record = MachineRecord(
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
-            image_id=self.image().id, hostname=_hostname(name), machine_id=uuid.uuid4().hex,
+            image_id=chosen.id, hostname=_hostname(name), machine_id=uuid.uuid4().hex,
             mac=_new_mac(), vmgenid=str(uuid.uuid4()), created=time.time(), accel=template.accel,
             disk_mib=disk_mib)
         machine = Machine(self, path, record)

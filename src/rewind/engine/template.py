@@ -29,7 +29,7 @@ from rewind.engine.locks import file_lock
 from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch, process_alive, wait_exit
 from rewind.engine.qmp import Monitor
 from rewind.errors import ImageError, MachineDied
-from rewind.image import RECIPE, Image
+from rewind.image import Image
 
 TEMPLATE_MAC = "52:54:00:00:00:01"
 BOOT_TIMEOUT = 180.0
@@ -141,7 +141,7 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
         kill(pid, tag)
     # -u: the backing file's final path does not exist until the template is renamed into place.
     subprocess.run(["qemu-img", "create", "-q", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
-                    str(final / tmpl.disk.name), str(tmpl.empty_overlay), f"{RECIPE['disk_size_mib']}M"],
+                    str(final / tmpl.disk.name), str(tmpl.empty_overlay), f"{image.disk_size_mib}M"],
                    check=True, capture_output=True)
     for leftover in out.glob("*.sock"):
         leftover.unlink()

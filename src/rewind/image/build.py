@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.errors import ImageError
+from rewind.errors import AlreadyExists, ImageError, InvalidArgument
 
 RECIPE: dict = {
-    "format": 1,
+    "format": 2,
     "suite": "bookworm",
     "variant": "minbase",
     "packages": [
@@ -47,6 +48,7 @@ GUEST_FILES = {
 INITRAMFS_INIT = _HERE / "initramfs-init.sh"
 PROBE_INIT = _HERE / "probe-init.sh"
 
+_IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 KERNEL_FILE = "vmlinuz"
 INITRD_FILE = "initrd.img"
 PROBE_INITRD_FILE = "probe-initrd.img"
@@ -63,12 +65,13 @@ def recipe_id() -> str:
 
 @dataclass(frozen=True)
 class Image:
-    """A built image on disk: kernel, initramfs and root disk."""
+    """An image on disk: kernel, initramfs and root disk (built here, or imported)."""
 
     path: Path
     id: str
     kernel_version: str
     created: float
+    disk_size_mib: int
 
     @property
     def kernel(self) -> Path:
@@ -93,22 +96,75 @@ class Image:
         try:
             meta = json.loads((path / MANIFEST_FILE).read_text())
             image = cls(path=path, id=meta["id"], kernel_version=meta["kernel_version"],
-                        created=meta["created"])
+                        created=meta["created"], disk_size_mib=meta["disk_size_mib"])
         except (OSError, ValueError, KeyError) as e:
             raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from None
-        for f in (image.kernel, image.initrd, image.probe_initrd, image.disk):
+        for f in (image.kernel, image.initrd, image.disk):
             if not f.is_file() or f.stat().st_size == 0:
                 raise ImageError(f"image at {path} is damaged: {f.name} is missing or empty; "
                                  "run `rewind image build --force`")
         return image
 
 
-def find_image(images_dir: Path) -> Image:
-    """The default image for the current recipe; a clear error if it is not built."""
-    path = images_dir / recipe_id()
-    if not path.exists():
-        raise ImageError("the guest image is not built yet: run `rewind image build`")
+def find_image(images_dir: Path, image_id: str | None = None) -> Image:
+    """An image by id (an imported image's name), or the default one for the current recipe."""
+    if image_id is None:
+        path = images_dir / recipe_id()
+        if not path.exists():
+            raise ImageError("the guest image is not built yet: run `rewind image build`")
+    else:
+        path = images_dir / image_id
+        if not _IMAGE_NAME.fullmatch(image_id) or not path.exists():
+            raise ImageError(f"no image named {image_id!r} (see `rewind image ls`)")
     return Image.load(path)
+
+
+def list_images(images_dir: Path) -> list[Image]:
+    found = []
+    for path in sorted(images_dir.iterdir()) if images_dir.is_dir() else []:
+        if not path.name.startswith(".") and (path / MANIFEST_FILE).is_file():
+            try:
+                found.append(Image.load(path))
+            except ImageError:
+                continue
+    return found
+
+
+def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: Path) -> Image:
+    """Add an image of the user's own: a kernel, an initramfs and a root disk (raw or qcow2).
+
+    The guest must mount /dev/vda as root and run rewind's agent (guest/agent.py) as root
+    on the virtio-serial ports named rewind.agent.N, as the default image does.
+    """
+    if not _IMAGE_NAME.fullmatch(name) or name == recipe_id():
+        raise InvalidArgument(f"invalid image name {name!r}: use letters, digits, '-', '_' and '.'")
+    final = images_dir / name
+    if final.exists():
+        raise AlreadyExists(f"an image named {name!r} already exists")
+    for what, f in (("kernel", kernel), ("initramfs", initrd), ("disk", disk)):
+        if not Path(f).is_file():
+            raise InvalidArgument(f"{what} {f} is not a file")
+    images_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=images_dir))
+    try:
+        shutil.copy(kernel, staging / KERNEL_FILE)
+        shutil.copy(initrd, staging / INITRD_FILE)
+        _run(["qemu-img", "convert", "-O", "qcow2", str(disk), str(staging / DISK_FILE)],
+             f"reading the disk {disk}")
+        info = json.loads(_run(["qemu-img", "info", "--output=json", str(staging / DISK_FILE)],
+                               "qemu-img info"))
+        _write_manifest(staging, name, "custom", info["virtual-size"] >> 20, {"imported_from": str(disk)})
+        os.rename(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Image.load(final)
+
+
+def _write_manifest(path: Path, image_id: str, kernel_version: str, disk_size_mib: int,
+                    extra: dict) -> None:
+    (path / MANIFEST_FILE).write_text(json.dumps(
+        {"id": image_id, "kernel_version": kernel_version, "created": time.time(),
+         "disk_size_mib": disk_size_mib, **extra}, indent=2))
 
 
 Report = Callable[[str], None]
@@ -139,9 +195,7 @@ def build_image(images_dir: Path, force: bool = False, report: Report = lambda _
     staging = Path(tempfile.mkdtemp(prefix=f".build-{image_id}-", dir=images_dir))
     try:
         kernel_version = _build_into(staging, image_id, report)
-        (staging / MANIFEST_FILE).write_text(json.dumps(
-            {"id": image_id, "kernel_version": kernel_version, "created": time.time(), "recipe": RECIPE},
-            indent=2))
+        _write_manifest(staging, image_id, kernel_version, RECIPE["disk_size_mib"], {"recipe": RECIPE})
         if final.exists():
             shutil.rmtree(final)
         os.rename(staging, final)
