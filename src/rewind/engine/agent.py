@@ -20,7 +20,7 @@ from rewind.guest.protocol import CHUNK, Decoder, encode
 HELLO_RETRY_FIRST = 0.05
 HELLO_RETRY_MAX = 1.0
 HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
-HEARTBEAT_GRACE = 15.0  # and declare it gone after this much more (TCG guests can be slow)
+HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,9 @@ class Port:
         # continuously; an edge wakes us only when that changes.
         self.idle_wait = select.epoll()
         self.idle_wait.register(self.fd, select.EPOLLIN | select.EPOLLET)
-        self.write_wait = select.epoll()
-        self.write_wait.register(self.fd, select.EPOLLOUT | select.EPOLLET)
+        # Level-triggered: it must report HUP at once if the host is already gone.
+        self.write_wait = select.poll()
+        self.write_wait.register(self.fd, select.POLLOUT)
         self.host_gone = False
 
     def pump(self) -> None:
@@ -128,8 +129,8 @@ class Port:
                 n = os.write(self.fd, view)
                 view = view[n:]
             except BlockingIOError:
-                for _, ev in self.write_wait.poll(1.0):
-                    if ev & select.EPOLLHUP:
+                for _, ev in self.write_wait.poll(1000):
+                    if ev & select.POLLHUP:
                         raise Reset() from None
 
 

@@ -1,0 +1,109 @@
+"""Store locks, after restic's: writers share the store; gc and prune hold it alone.
+
+`locks/store.lock` is flock'ed shared or exclusive. Every holder also leaves a note,
+`locks/<pid>-<random>.json` (what, by whom, since when), which it keeps flock'ed while it
+holds the lock: a waiter that gives up can say who is in the way, and a note whose holder
+died (the kernel dropped its flock) is known to be stale and removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rewind.store.errors import StoreBusy
+
+
+@contextmanager
+def store_lock(locks: Path, *, exclusive: bool, operation: str, timeout: float) -> Iterator[None]:
+    """Hold the store lock for `operation`; raise StoreBusy naming the holders after `timeout` s."""
+    fd = _wait(locks / "store.lock", exclusive, timeout)
+    if fd is None:
+        holders = ", ".join(live_holders(locks)) or "another process"
+        raise StoreBusy(f"the store at {locks.parent} is busy: {holders} holds it "
+                        f"(waited {timeout:g} s for {operation})")
+    try:
+        with _note(locks, exclusive, operation):
+            yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def names_lock(locks: Path, timeout: float) -> Iterator[None]:
+    """Held around 'is this name free? then take it', so two commits cannot take one name."""
+    fd = _wait(locks / "names.lock", True, timeout)
+    if fd is None:
+        raise StoreBusy(f"the store at {locks.parent} is busy: another process is naming a checkpoint "
+                        f"(waited {timeout:g} s)")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def live_holders(locks: Path) -> list[str]:
+    """Describe who holds the store lock now; removes the notes of holders that died."""
+    out = []
+    for path in sorted(locks.glob("*.json")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # its holder is alive
+                note = json.loads(os.read(fd, 4096) or b"{}")
+                since = time.strftime("%H:%M:%S", time.localtime(note.get("since", 0)))
+                mode = "exclusively" if note.get("exclusive") else "shared"
+                out.append(f"{note.get('operation')} (pid {note.get('pid')} on {note.get('host')}, "
+                           f"{mode}, since {since})")
+            else:
+                path.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            continue
+        finally:
+            os.close(fd)
+    return out
+
+
+def _wait(path: Path, exclusive: bool, timeout: float) -> int | None:
+    """An fd holding a flock on `path`, or None if it was not free within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.02)
+
+
+@contextmanager
+def _note(locks: Path, exclusive: bool, operation: str) -> Iterator[None]:
+    """Leave the holder's note while the body runs. It is written under a temporary name,
+    flock'ed, then renamed into view, so no reader sees it unlocked and takes it for stale."""
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, path = locks / f".{token}.tmp", locks / f"{token}.json"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"operation": operation, "exclusive": exclusive, "pid": os.getpid(),
+                                 "host": socket.gethostname(), "since": time.time()}).encode())
+        os.rename(tmp, path)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        os.close(fd)

@@ -1,0 +1,221 @@
+"""What the store keeps: blob indexes and checkpoint manifests, and their JSON form.
+
+A manifest carries the manifests of up to N earlier points along its parent chain
+(its history), so it never depends on another manifest file. To keep that cheap,
+each history entry's blob indexes are stored as changes against the next newer
+point, and runs of zero chunks as counts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rewind.errors import InvalidArgument
+
+FORMAT = 1
+HASH = re.compile(r"[0-9a-f]{64}")
+ID = re.compile(r"[0-9a-f]{32}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# A name made only of 8 or more hex digits would read as an id prefix in a ref.
+_ID_LIKE = re.compile(r"[0-9a-fA-F]{8,}")
+
+
+def validate_name(name: str, what: str) -> str:
+    """Check a checkpoint, machine or blob name: the same rule as machine names."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise InvalidArgument(f"invalid {what} {name!r}: use up to 63 letters, digits, '-', '_' and '.', "
+                              "starting with a letter or digit")
+    return name
+
+
+def validate_checkpoint_name(name: str) -> str:
+    validate_name(name, "checkpoint name")
+    if _ID_LIKE.fullmatch(name):
+        raise InvalidArgument(f"invalid checkpoint name {name!r}: it would read as a checkpoint id")
+    return name
+
+
+def validate_labels(labels: dict[str, str] | None) -> dict[str, str]:
+    """Labels follow the rules of machine labels."""
+    if not isinstance(labels, dict | None):
+        raise InvalidArgument("labels must be a dict of strings")
+    out = {}
+    for key, value in (labels or {}).items():
+        if not isinstance(key, str) or not _NAME.fullmatch(key):
+            raise InvalidArgument(f"invalid label key {key!r}")
+        if not isinstance(value, str) or len(value) > 256 or "\n" in value:
+            raise InvalidArgument(f"invalid value for label {key!r}")
+        out[key] = value
+    return out
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    return -(-size // chunk_size)
+
+
+@dataclass
+class BlobIndex:
+    """Where a blob's bytes are: chunk i holds bytes [i * chunk_size, (i + 1) * chunk_size)
+    (the last one may be shorter), named by the blake3 hex digest of those bytes; None marks
+    a chunk that is all zeros and is not stored."""
+
+    size: int
+    chunk_size: int
+    chunks: list[str | None]
+
+    def hashes(self) -> set[str]:
+        """The stored chunks this blob needs."""
+        return {h for h in self.chunks if h is not None}
+
+    def to_json(self, base: BlobIndex | None = None) -> dict[str, Any]:
+        """Compact JSON: runs of zero chunks become counts; against `base` (the same blob at a
+        newer point) only the chunks that differ are written, when that is shorter."""
+        out: dict[str, Any] = {"size": self.size, "chunk_size": self.chunk_size}
+        if base is not None and base.chunk_size == self.chunk_size:
+            changed = [[i, h] for i, h in enumerate(self.chunks) if i >= len(base.chunks) or base.chunks[i] != h]
+            if len(changed) * 2 <= len(self.chunks):
+                out["changed"] = changed
+                return out
+        runs: list[str | int] = []
+        for h in self.chunks:
+            if h is not None:
+                runs.append(h)
+            elif runs and isinstance(runs[-1], int):
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        out["chunks"] = runs
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], base: BlobIndex | None = None) -> BlobIndex:
+        """Inverse of to_json; raises ValueError on anything malformed (hashes name files, so
+        each is checked)."""
+        size, chunk_size = data["size"], data["chunk_size"]
+        if not (_is_int(size) and size >= 0 and _is_int(chunk_size) and chunk_size > 0):
+            raise ValueError("bad blob size or chunk size")
+        count = chunk_count(size, chunk_size)
+        if "changed" in data:
+            if base is None or base.chunk_size != chunk_size:
+                raise ValueError("blob changes without a matching newer blob")
+            chunks = (base.chunks + [None] * count)[:count]
+            for i, h in data["changed"]:
+                if not (_is_int(i) and 0 <= i < count):
+                    raise ValueError(f"chunk index {i!r} out of range")
+                chunks[i] = _check_hash(h)
+        else:
+            chunks = []
+            for item in data["chunks"]:
+                if _is_int(item) and 0 < item <= count - len(chunks):
+                    chunks.extend([None] * item)
+                else:
+                    chunks.append(_check_hash(item))
+        if len(chunks) != count:
+            raise ValueError(f"{len(chunks)} chunks for a blob of {size} bytes")
+        return cls(size=size, chunk_size=chunk_size, chunks=chunks)
+
+
+@dataclass
+class HistoryEntry:
+    """One saved point: everything about it except its own history."""
+
+    id: str
+    name: str | None
+    machine: str
+    parent: str | None
+    created: float
+    labels: dict[str, str]
+    blobs: dict[str, BlobIndex]
+    meta: dict[str, Any]
+    own_bytes: int
+
+    def hashes(self) -> set[str]:
+        return set().union(*(blob.hashes() for blob in self.blobs.values()))
+
+
+@dataclass
+class CheckpointManifest(HistoryEntry):
+    """A checkpoint, self-contained: `history` holds the points before it along its parent
+    chain, newest (its parent) first, so it outlives the deletion of any other manifest."""
+
+    history: list[HistoryEntry] = field(default_factory=list)
+
+    def entry(self) -> HistoryEntry:
+        return HistoryEntry(**{f.name: getattr(self, f.name) for f in fields(HistoryEntry)})
+
+    def back(self, n: int) -> CheckpointManifest:
+        """The point n steps back (0 = this one), as a manifest built from the history kept here."""
+        if n == 0:
+            return self
+        entry = self.history[n - 1]
+        return CheckpointManifest(**{f.name: getattr(entry, f.name) for f in fields(HistoryEntry)},
+                                  history=self.history[n:])
+
+    def all_hashes(self) -> set[str]:
+        """Every chunk this manifest needs, its history's included (what gc must keep)."""
+        return set().union(self.hashes(), *(e.hashes() for e in self.history))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"format": FORMAT, **_entry_json(self, None)}
+        out["history"] = []
+        newer = self.blobs
+        for entry in self.history:
+            out["history"].append(_entry_json(entry, newer))
+            newer = entry.blobs
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CheckpointManifest:
+        """Parse and check a manifest; raises ValueError (or KeyError/TypeError) if malformed."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"unknown manifest format {data.get('format')!r}")
+        top = _entry_from_json(data, {})
+        history, newer = [], top.blobs
+        for item in data["history"]:
+            entry = _entry_from_json(item, newer)
+            history.append(entry)
+            newer = entry.blobs
+        return cls(**{f.name: getattr(top, f.name) for f in fields(HistoryEntry)}, history=history)
+
+
+def _entry_json(entry: HistoryEntry, newer: dict[str, BlobIndex] | None) -> dict[str, Any]:
+    newer = newer or {}
+    return {
+        "id": entry.id, "name": entry.name, "machine": entry.machine, "parent": entry.parent,
+        "created": entry.created, "labels": entry.labels, "meta": entry.meta, "own_bytes": entry.own_bytes,
+        "blobs": {name: blob.to_json(newer.get(name)) for name, blob in entry.blobs.items()},
+    }
+
+
+def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex]) -> HistoryEntry:
+    if not (isinstance(data["id"], str) and ID.fullmatch(data["id"])):
+        raise ValueError(f"bad checkpoint id {data['id']!r}")
+    if data["parent"] is not None and not (isinstance(data["parent"], str) and ID.fullmatch(data["parent"])):
+        raise ValueError(f"bad parent id {data['parent']!r}")
+    if not isinstance(data["created"], int | float) or not _is_int(data["own_bytes"]):
+        raise ValueError("bad creation time or size")
+    if not isinstance(data["meta"], dict) or not isinstance(data["blobs"], dict):
+        raise ValueError("bad meta or blobs")
+    try:
+        name = None if data["name"] is None else validate_checkpoint_name(data["name"])
+        machine = validate_name(data["machine"], "machine name")
+        labels = validate_labels(data["labels"])
+        blobs = {validate_name(k, "blob name"): BlobIndex.from_json(v, newer.get(k))
+                 for k, v in data["blobs"].items()}
+    except InvalidArgument as e:
+        raise ValueError(str(e)) from e
+    return HistoryEntry(id=data["id"], name=name, machine=machine, parent=data["parent"],
+                        created=data["created"], labels=labels, blobs=blobs, meta=data["meta"],
+                        own_bytes=data["own_bytes"])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_hash(value: object) -> str:
+    if not (isinstance(value, str) and HASH.fullmatch(value)):
+        raise ValueError(f"bad chunk hash {value!r}")
+    return value
