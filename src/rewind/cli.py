@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -338,6 +339,14 @@ def main() -> None:
         sys.exit(e.exit_code)
     except RewindError as e:
         click.echo(f"rewind: error: {e}", err=True)
+        sys.exit(1)
+    except OSError as e:
+        click.echo(f"rewind: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", err=True)
+        sys.exit(1)
+    except Exception as e:  # a bug of ours: still one line, the traceback on request
+        if os.environ.get("REWIND_DEBUG"):
+            raise
+        click.echo(f"rewind: internal error: {type(e).__name__}: {e} (REWIND_DEBUG=1 shows where)", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("rewind: interrupted")

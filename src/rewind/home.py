@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,4 +26,14 @@ class Home:
     @property
     def machines(self) -> Path:
         return self.root / "machines"
+
+    @property
+    def runtime(self) -> Path:
+        """Guest memory files. They must be on tmpfs: QEMU can only track writes to
+        (background-snapshot) memory that is anonymous or shmem. REWIND_RUNTIME overrides."""
+        forced = os.environ.get("REWIND_RUNTIME")
+        if forced:
+            return Path(forced)
+        tag = hashlib.sha256(os.fsencode(self.root.resolve())).hexdigest()[:12]
+        return Path("/dev/shm") / f"rewind-{tag}"
 

@@ -6,7 +6,8 @@ import codecs
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -234,6 +235,17 @@ class AgentClient:
             self._send({"t": "data"}, block)
         self._send({"t": "end"})
         self._reply_of("ok")
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Hold the guest's root file system frozen (flushed, no writes) inside the block."""
+        self._send({"t": "freeze"})
+        self._reply_of("frozen")
+        try:
+            yield
+        finally:
+            self._send({"t": "thaw"})
+            self._reply_of("ok")
 
     def set_identity(self, **fields: object) -> None:
         """Hostname, machine id, MAC, entropy seed and clock, applied in the guest."""

@@ -21,24 +21,27 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
+from rewind.engine.memfiles import blank_layer
 from rewind.engine.qemu import (
     AGENT_PORTS,
     QMP_SOCKET,
     VmSpec,
     agent_socket,
+    disk_node,
     kill,
     launch,
     process_alive,
     wait_exit,
 )
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template
+from rewind.engine.snapshot import SavedState
+from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template, template_state
 from rewind.errors import (
     AlreadyExists,
     ImageError,
@@ -112,7 +115,9 @@ class MachineRecord:
     state: str = "creating"  # creating | running | stopped
     pid: int | None = None
     accel: str = "tcg"
-    disk_mib: int = 0  # 0: the image's own size
+    disk_size_mib: int = 0
+    disks: list[str] = field(default_factory=list)  # the disk's layers, base first, writable top last
+    parent: str | None = None  # the checkpoint this machine was last saved to or restored from
 
 
 @dataclass(frozen=True)
@@ -198,28 +203,36 @@ class Machine:
 
     # ---- lifecycle ----
 
-    def _spec(self, template: Template | None) -> VmSpec:
+    def _spec(self, ram: Path | None, incoming: bool) -> VmSpec:
         r = self.record
         image = self.engine.image(r.image_id)
         return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
-                      kernel=image.kernel, initrd=image.initrd, disk=self.path / "disk.qcow2",
-                      ram_file=template.ram if template else None, ram_shared=False,
-                      mac=r.mac, vmgenid=r.vmgenid, incoming=template is not None)
+                      kernel=image.kernel, initrd=image.initrd, disks=[Path(d) for d in r.disks],
+                      ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=r.vmgenid, incoming=incoming)
 
-    def _start_from_template(self, template: Template) -> None:
-        """Run the template's saved state in a new QEMU over this machine's disk."""
-        self.record.pid = launch(self._spec(template), self.path)
+    def _new_top(self) -> Path:
+        """A new, empty top layer for the disk, over the current chain's top."""
+        top = self.path / f"disk-{secrets.token_hex(4)}.qcow2"
+        shutil.copyfile(blank_layer(self.engine.home.runtime, self.record.disk_size_mib), top)
+        return top
+
+    def _start_from_state(self, state: SavedState) -> None:
+        """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
+        device state loaded, its disk layers below a new top layer of this machine's."""
+        self.record.disks = [str(d) for d in state.disks]
+        self.record.disks.append(str(self._new_top()))
+        self.record.pid = launch(self._spec(state.ram, incoming=True), self.path)
         with self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
                     capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(template.devstate))}")
+            mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.devstate))}")
             mon.wait_migration()
             mon.cmd("cont")
 
     def _boot(self, report: Report) -> None:
         """Cold boot from this machine's own disk (a stopped machine)."""
         report(f"booting {self.name} from its disk")
-        self.record.pid = launch(self._spec(None), self.path)
+        self.record.pid = launch(self._spec(None, incoming=False), self.path)
 
     def _check_starting(self) -> None:
         """check_alive for a machine still being started (its record is not yet 'running')."""
@@ -238,7 +251,8 @@ class Machine:
     def _grow_disk(self, disk_mib: int) -> None:
         """Grow the virtual disk (the guest sees the new size at once) and its file system."""
         with self.monitor() as mon:
-            mon.cmd("block_resize", **{"node-name": "disk0", "size": disk_mib << 20})
+            mon.cmd("block_resize", **{"node-name": disk_node(len(self.record.disks) - 1),
+                                       "size": disk_mib << 20})
         with AgentClient(self.path / agent_socket(0), alive=self._check_starting) as client:
             result = client.exec(["resize2fs", "/dev/vda"], timeout=120)
         if result.exit_code != 0:
@@ -382,16 +396,16 @@ class Engine:
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
             image_id=chosen.id, hostname=_hostname(name), machine_id=uuid.uuid4().hex,
             mac=_new_mac(), vmgenid=str(uuid.uuid4()), created=time.time(), accel=template.accel,
-            disk_mib=disk_mib)
+            disk_size_mib=base_mib)
         machine = Machine(self, path, record)
         try:
             with file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
                 machine._save()
-                shutil.copyfile(template.empty_overlay, path / "disk.qcow2")
-                machine._start_from_template(template)
+                machine._start_from_state(template_state(template, self.home.runtime, chosen))
                 machine._apply_identity(connect_timeout=30)
                 if disk_mib > base_mib:
                     machine._grow_disk(disk_mib)
+                    record.disk_size_mib = disk_mib
                 record.state = "running"
                 machine._save()
         except BaseException:

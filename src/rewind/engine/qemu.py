@@ -47,7 +47,7 @@ class VmSpec:
     accel: str  # "kvm" or "tcg"
     kernel: Path
     initrd: Path
-    disk: Path
+    disks: list[Path]  # the disk's qcow2 chain: its base first, the writable top last
     ram_file: Path | None  # None: plain anonymous RAM (a cold boot)
     ram_shared: bool  # True: guest RAM is the file itself; False: a private copy-on-write view of it
     mac: str
@@ -69,8 +69,7 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-m", f"{spec.memory_mib}M", "-smp", str(spec.cpus), "-object", ram,
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
-        "-blockdev", f"node-name=disk0,driver=qcow2,file.driver=file,file.filename={spec.disk}",
-        "-device", "virtio-blk-pci,drive=disk0,id=vda",
+        *disk_args(spec.disks),
         "-netdev", "user,id=net0", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
         "-device", "virtio-serial-pci,id=vser0",
         "-device", "virtio-rng-pci,id=rng0",
@@ -87,6 +86,24 @@ def qemu_argv(spec: VmSpec) -> list[str]:
     if spec.incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def disk_node(i: int) -> str:
+    return f"d{i}"
+
+
+def disk_args(chain: list[Path]) -> list[str]:
+    """One -blockdev per layer, each naming the one below as its backing (the paths
+    recorded inside the files may be stale: layers are moved and materialised)."""
+    args = []
+    top = len(chain) - 1
+    for i, path in enumerate(chain):
+        backing = "" if i == 0 else f",backing={disk_node(i - 1)}"
+        # Lower layers are shared between machines: read-only, so no one takes their write lock.
+        mode = "" if i == top else ",read-only=on"
+        args += ["-blockdev", f"node-name={disk_node(i)},driver=qcow2,file.driver=file,"
+                              f"file.filename={path}{backing}{mode}"]
+    return [*args, "-device", f"virtio-blk-pci,drive={disk_node(len(chain) - 1)},id=vda"]
 
 
 def launch(spec: VmSpec, run_dir: Path) -> int:

@@ -66,6 +66,19 @@ class Monitor:
             self.cmd("quit")
         self.close()
 
+    def wait_event(self, name: str, timeout: float) -> dict:
+        """The next event called `name` (earlier ones of other names are dropped)."""
+        assert self._qmp is not None, "Monitor used outside its context"
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                event = self._qmp.pull_event(wait=max(left, 0.001))
+            except TimeoutError:
+                raise MonitorError(f"QEMU sent no {name} event within {timeout:.0f} s") from None
+            if event and event.get("event") == name:
+                return event
+
     def wait_migration(self, timeout: float = 120.0) -> dict:
         """Poll until the current (outgoing or incoming) migration ends; its final status."""
         deadline = time.monotonic() + timeout

@@ -26,8 +26,10 @@ from pathlib import Path
 
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import file_lock
+from rewind.engine.memfiles import on_tmpfs
 from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch, process_alive, wait_exit
 from rewind.engine.qmp import Monitor
+from rewind.engine.snapshot import SavedState
 from rewind.errors import ImageError, MachineDied
 from rewind.image import Image
 
@@ -55,10 +57,6 @@ class Template:
     def disk(self) -> Path:
         return self.path / "disk.qcow2"
 
-    @property
-    def empty_overlay(self) -> Path:
-        """An empty qcow2 over `disk`: a machine's disk starts as a copy of it."""
-        return self.path / "overlay.qcow2"
 
 
 def template_dir(image: Image, accel: str, memory_mib: int, cpus: int) -> Path:
@@ -87,11 +85,17 @@ def ensure_template(image: Image, accel: str, memory_mib: int, cpus: int,
         report(f"booting a {memory_mib} MiB, {cpus}-vCPU guest once to save it running ({accel})")
         staging = Path(tempfile.mkdtemp(prefix=".new-", dir=final.parent))
         try:
-            _boot_and_save(image, accel, memory_mib, cpus, staging, final)
+            _boot_and_save(image, accel, memory_mib, cpus, staging)
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return Template(final, accel, memory_mib, cpus)
+
+
+def template_state(template: Template, runtime: Path, image: Image) -> SavedState:
+    """The template as a state machines start from (its memory brought to tmpfs)."""
+    ram = on_tmpfs(runtime, f"template-{image.id}-{template.path.name}.ram", template.ram)
+    return SavedState(ram=ram, devstate=template.devstate, disks=[template.disk])
 
 
 def _warm_up(agent: AgentClient) -> None:
@@ -107,14 +111,13 @@ def _warm_up(agent: AgentClient) -> None:
     agent.exec(["rm", "-f", "/tmp/.rewind-warm-up"])
 
 
-def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Path,
-                   final: Path) -> None:
+def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Path) -> None:
     tmpl = Template(out, accel, memory_mib, cpus)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
                     str(image.disk.resolve()), str(tmpl.disk)], check=True, capture_output=True)
     tag = str(uuid.uuid4())
     spec = VmSpec(tag=tag, memory_mib=memory_mib, cpus=cpus, accel=accel, kernel=image.kernel,
-                  initrd=image.initrd, disk=tmpl.disk, ram_file=tmpl.ram, ram_shared=True,
+                  initrd=image.initrd, disks=[tmpl.disk], ram_file=tmpl.ram, ram_shared=True,
                   mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()))
     pid = launch(spec, out)
     try:
@@ -139,10 +142,6 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
             raise ImageError("the template guest's QEMU did not exit after saving")
     finally:
         kill(pid, tag)
-    # -u: the backing file's final path does not exist until the template is renamed into place.
-    subprocess.run(["qemu-img", "create", "-q", "-u", "-f", "qcow2", "-F", "qcow2", "-b",
-                    str(final / tmpl.disk.name), str(tmpl.empty_overlay), f"{image.disk_size_mib}M"],
-                   check=True, capture_output=True)
     for leftover in out.glob("*.sock"):
         leftover.unlink()
     (out / "template.json").write_text(json.dumps(

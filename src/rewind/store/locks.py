@@ -93,17 +93,22 @@ def _wait(path: Path, exclusive: bool, timeout: float) -> int | None:
 @contextmanager
 def _note(locks: Path, exclusive: bool, operation: str) -> Iterator[None]:
     """Leave the holder's note while the body runs. It is written under a temporary name,
-    flock'ed, then renamed into view, so no reader sees it unlocked and takes it for stale."""
+    flock'ed, then renamed into view, so no reader sees it unlocked and takes it for stale.
+    The note only informs: if it cannot be written (a full disk), the lock holds without it."""
     token = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp, path = locks / f".{token}.tmp", locks / f"{token}.json"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = None
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps({"operation": operation, "exclusive": exclusive, "pid": os.getpid(),
                                  "host": socket.gethostname(), "since": time.time()}).encode())
         os.rename(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    try:
         yield
     finally:
         path.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)

@@ -74,7 +74,8 @@ class BlobIndex:
         newer point) only the chunks that differ are written, when that is shorter."""
         out: dict[str, Any] = {"size": self.size, "chunk_size": self.chunk_size}
         if base is not None and base.chunk_size == self.chunk_size:
-            changed = [[i, h] for i, h in enumerate(self.chunks) if i >= len(base.chunks) or base.chunks[i] != h]
+            old = base.chunks
+            changed = [[i, h] for i, h in enumerate(self.chunks) if i >= len(old) or old[i] != h]
             if len(changed) * 2 <= len(self.chunks):
                 out["changed"] = changed
                 return out
@@ -104,7 +105,7 @@ class BlobIndex:
             for i, h in data["changed"]:
                 if not (_is_int(i) and 0 <= i < count):
                     raise ValueError(f"chunk index {i!r} out of range")
-                chunks[i] = _check_hash(h)
+                chunks[i] = None if h is None else _check_hash(h)
         else:
             chunks = []
             for item in data["chunks"]:

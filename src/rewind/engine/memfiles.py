@@ -1,0 +1,69 @@
+"""Guest memory files on tmpfs, mapped copy-on-write by machines.
+
+Machines map a memory file privately: pages they never write stay shared (in
+the page cache) with every other machine mapping the same file. The file must
+live on tmpfs, because QEMU's background snapshot can only write-protect
+anonymous or shmem memory; copies on disk (templates) are brought over once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from rewind.engine.locks import file_lock
+
+_BLOCK = 4 << 20
+
+
+def sparse_copy(src: Path, dest: Path) -> None:
+    """Copy only the data extents of `src` (holes stay holes), then rename into place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd_in = os.open(src, os.O_RDONLY)
+    tmp_fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    try:
+        size = os.fstat(fd_in).st_size
+        os.ftruncate(tmp_fd, size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd_in, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after pos
+                break
+            end = os.lseek(fd_in, start, os.SEEK_HOLE)
+            for at in range(start, end, _BLOCK):
+                os.pwrite(tmp_fd, os.pread(fd_in, min(_BLOCK, end - at), at), at)
+            pos = end
+        os.rename(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd_in)
+        os.close(tmp_fd)
+
+
+def on_tmpfs(runtime: Path, name: str, source: Path) -> Path:
+    """The tmpfs copy of `source` named `name`, made on first use."""
+    dest = runtime / "ram" / name
+    if not dest.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(runtime / "ram" / ".lock", timeout=120, what="the memory files"):
+            if not dest.exists():
+                sparse_copy(source, dest)
+    return dest
+
+
+def blank_layer(runtime: Path, size_mib: int) -> Path:
+    """An empty qcow2 of `size_mib`, with no backing file named inside: machines copy it as
+    a new top layer and give its backing on QEMU's command line."""
+    path = runtime / f"blank-{size_mib}m.qcow2"
+    if not path.exists():
+        runtime.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp), f"{size_mib}M"],
+                       check=True, capture_output=True)
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,109 @@
+"""Capturing a running machine's memory, devices and disk as of one instant.
+
+The guest's root file system is frozen through the agent first (flushed; no
+writes can start), so the disk cannot change until it is thawed. Then the
+disk's top layer is frozen for good (a new empty layer takes the writes) and
+QEMU's background snapshot starts: it pauses the guest only to save CPU and
+device state and to write-protect memory, and streams memory while the guest
+runs on. Once QEMU reports the guest running again, the file system is thawed.
+Memory and devices are from the pause, the disk from the freeze, and nothing
+reached the disk in between, so the two agree.
+
+The stream is split as it arrives (see migstream.py) into a raw memory image on
+tmpfs and a small device-state stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.engine.agent import AgentClient
+from rewind.engine.migstream import SplitResult, split_stream
+from rewind.engine.qmp import Monitor, MonitorError
+
+RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
+CAPTURE_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A running machine as saved: what a new QEMU needs to carry on from that moment."""
+
+    ram: Path  # raw memory image on tmpfs, mapped copy-on-write
+    devstate: Path  # device state, loaded with x-ignore-shared
+    disks: list[Path]  # the disk's frozen layers, base first
+
+
+@dataclass(frozen=True)
+class Capture:
+    ram: Path  # raw memory image (zero pages are holes)
+    devstate: Path  # device state, loaded with x-ignore-shared over `ram`
+    layer: Path  # the disk layer frozen at this instant
+    pause_s: float  # how long the guest was paused (QEMU's STOP to RESUME)
+    seconds: float  # from the start of the capture until everything was written
+    split: SplitResult
+
+
+def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, new_top_file: Path,
+            new_top_node: str, ram_out: Path, devstate_out: Path, socket_path: Path) -> Capture:
+    """Capture the machine; its disk's writes go to `new_top_file` afterwards."""
+    started = time.monotonic()
+    socket_path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(socket_path))
+    listener.listen(1)
+    listener.settimeout(30)
+    result: dict[str, object] = {}
+
+    def receive() -> None:
+        try:
+            conn, _ = listener.accept()
+            fd = os.open(ram_out, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                with conn, conn.makefile("rb") as src, open(devstate_out, "wb") as dst:
+                    result["split"] = split_stream(src, RAM_BLOCK, fd, dst)
+            finally:
+                os.close(fd)
+        except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = e
+
+    reader = threading.Thread(target=receive, name="rewind-capture", daemon=True)
+    try:
+        mon.cmd("migrate-set-capabilities", capabilities=[
+            {"capability": "background-snapshot", "state": True},
+            {"capability": "x-ignore-shared", "state": True}])
+        reader.start()
+        with agent.frozen():
+            mon.cmd("blockdev-snapshot-sync", **{
+                "node-name": top_node, "snapshot-file": os.fspath(new_top_file),
+                "snapshot-node-name": new_top_node, "format": "qcow2"})
+            mon.cmd("migrate", uri=f"unix:{socket_path}")
+            stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+            resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+        mon.wait_migration(CAPTURE_TIMEOUT)
+        reader.join(CAPTURE_TIMEOUT)
+    except BaseException:
+        with contextlib.suppress(MonitorError):
+            mon.cmd("migrate_cancel")
+        raise
+    finally:
+        listener.close()
+        socket_path.unlink(missing_ok=True)
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    split = result["split"]
+    assert isinstance(split, SplitResult)
+    return Capture(ram=ram_out, devstate=devstate_out, layer=top_file,
+                   pause_s=_event_time(resume) - _event_time(stop),
+                   seconds=time.monotonic() - started, split=split)
+
+
+def _event_time(event: dict) -> float:
+    stamp = event["timestamp"]
+    return stamp["seconds"] + stamp["microseconds"] / 1e6

@@ -1,0 +1,589 @@
+"""The checkpoint store: named binary blobs kept as deduplicated chunks, and checkpoint
+manifests that say which chunks make up each blob. It knows nothing of QEMU.
+
+Layout of a store directory:
+
+    config.json                 {"format": 1, "chunk_size": 262144}
+    chunks/ab/<hash>            a chunk: a zstd frame of a blob's slice, named by the blake3
+                                hex digest of the uncompressed slice; all-zero slices are not stored
+    checkpoints/<id>.json       a manifest (model.py), written last and atomically
+    locks/                      store.lock (flock) and the holders' notes (locks.py)
+    tmp/                        files being written; what a crash leaves here, gc removes
+
+Discipline after restic's repository: files are written to tmp/, fsync'ed and renamed into
+place, so a crash leaves nothing half-visible; adding takes the lock shared, gc and prune take
+it exclusively; check and gc are first-class operations.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import stat
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Container, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from rewind.errors import InvalidArgument
+from rewind.store.disk import (
+    MAX_CHUNK_SIZE,
+    WORKERS,
+    chunk_hash,
+    decode_chunk,
+    encode_chunk,
+    fsync_dir,
+    os_errors,
+    worker_pool,
+    write_tmp,
+)
+from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
+from rewind.store.locks import live_holders, names_lock, store_lock
+from rewind.store.model import (
+    FORMAT,
+    BlobIndex,
+    CheckpointManifest,
+    validate_checkpoint_name,
+    validate_labels,
+    validate_name,
+)
+
+DEFAULT_CHUNK_SIZE = 256 * 1024
+DEFAULT_HISTORY = 32
+_DIRS = ("chunks", "checkpoints", "locks", "tmp")
+_BACK = re.compile(r"(.*)~(\d+)")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+Progress = Callable[[int, int | None], None]
+"""put_blob's progress callback: (bytes done, total bytes or None if unknown)."""
+
+
+@dataclass
+class CheckReport:
+    """What check() looked at and what it found wrong."""
+
+    checkpoints: int
+    chunks: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class GcReport:
+    """What gc() removed: unreferenced chunks, and files left in tmp/ by interrupted writes."""
+
+    chunks_removed: int
+    bytes_freed: int
+    tmp_removed: int
+
+
+def _new_id() -> str:
+    return secrets.token_hex(16)
+
+
+class Store:
+    """A checkpoint store directory. Get one with Store.open()."""
+
+    def __init__(self, root: Path, chunk_size: int, lock_timeout: float) -> None:
+        self.root = root
+        self.chunk_size = chunk_size
+        self.lock_timeout = lock_timeout
+        self._zero = bytes(chunk_size)
+        self._tmp = root / "tmp"
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r}, chunk_size={self.chunk_size})"
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
+             lock_timeout: float | None = None) -> Store:
+        """Open the store at `path`; with create=True, make it first if it is not there
+        (`chunk_size` only matters then). Locks are waited for up to `lock_timeout` s
+        (default: $REWIND_LOCK_TIMEOUT, else 30)."""
+        root = Path(path)
+        if not (root / "config.json").exists():
+            if not create:
+                raise StoreError(f"there is no checkpoint store at {root}")
+            _create(root, chunk_size)
+        try:
+            config = json.loads((root / "config.json").read_bytes())
+            version, chunk_size = config["format"], config["chunk_size"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"the checkpoint store at {root} is damaged: "
+                             f"config.json is unreadable ({e})") from e
+        if version != FORMAT:
+            raise StoreError(f"the checkpoint store at {root} has format {version!r}, which this rewind "
+                             f"does not know (it knows {FORMAT})")
+        if not _valid_chunk_size(chunk_size):
+            raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
+        missing = [d for d in _DIRS if not (root / d).is_dir()]
+        if missing:
+            raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
+        if lock_timeout is None:
+            lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+        return cls(root, chunk_size, lock_timeout)
+
+    @contextmanager
+    def lock(self, exclusive: bool = False, operation: str = "write") -> Iterator[None]:
+        """Hold the store lock. Every operation takes it by itself; hold it shared around
+        put_blob ... commit so that no gc can remove the new, not yet committed chunks."""
+        with store_lock(self.root / "locks", exclusive=exclusive, operation=operation,
+                        timeout=self.lock_timeout):
+            yield
+
+    # -- adding ---------------------------------------------------------------------------
+
+    def put_blob(self, source: str | os.PathLike[str] | BinaryIO, size: int | None = None,
+                 progress: Progress | None = None, known: BlobIndex | None = None,
+                 unchanged: Container[int] | None = None) -> BlobIndex:
+        """Store a blob read from a file path or a binary file object (from its current
+        position): `size` bytes, or up to its end. Chunks are hashed and compressed by a thread
+        pool; all-zero chunks and chunks already present are not written.
+
+        `known` and `unchanged` let a caller that tracks writes (a dirty-page bitmap, say)
+        skip reading: chunk i for every i in `unchanged` is taken from `known`, an index of
+        the same blob at an earlier point, and its bytes in the source are seeked over."""
+        if unchanged is not None and known is None:
+            raise InvalidArgument("unchanged chunks need the known index they are unchanged from")
+        if known is not None and known.chunk_size != self.chunk_size:
+            raise InvalidArgument(f"the known index has chunk size {known.chunk_size}, "
+                                  f"the store {self.chunk_size}")
+        if size is not None and not (isinstance(size, int) and size >= 0):
+            raise InvalidArgument(f"invalid blob size {size!r}")
+        what = f"store a blob from {source}" if isinstance(source, str | os.PathLike) else "store a blob"
+        with os_errors(what), self.lock(operation="put_blob"), _opened(source) as f:
+            left = _regular_size(f)
+            total = size if size is not None else left
+            if unchanged is not None and total is None:
+                raise InvalidArgument("unchanged chunks need a source of known size: a file, or size=")
+            return self._put(f, total, progress, known, unchanged or (), regular=left is not None)
+
+    def _put(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
+             unchanged: Container[int], regular: bool) -> BlobIndex:
+        cs = self.chunk_size
+        chunks: list[str | None] = []
+        pending: deque[tuple[int, Future[tuple[str, Path | None]]]] = deque()
+        new_dirs: set[Path] = set()
+        offset = 0
+        start = f.tell() if regular else 0
+        data_at = -1  # in a regular file: the next offset that may hold data, as last looked up
+
+        def settle(limit: int) -> None:  # collect finished chunks, keeping at most `limit` in flight
+            while len(pending) > limit:
+                i, future = pending.popleft()
+                chunks[i], new_dir = future.result()
+                if new_dir is not None:
+                    new_dirs.add(new_dir)
+
+        with worker_pool() as pool:
+            while total is None or offset < total:
+                i = len(chunks)
+                want = cs if total is None else min(cs, total - offset)
+                if regular and i not in unchanged and data_at < offset:
+                    data_at = _next_data(f, start + offset) - start
+                if i in unchanged:
+                    assert known is not None and total is not None  # checked by put_blob
+                    chunks.append(_unchanged_entry(known, i, want))
+                    f.seek(want, os.SEEK_CUR)
+                elif regular and data_at >= offset + want:  # a hole: zeros, not even read
+                    chunks.append(None)
+                    f.seek(want, os.SEEK_CUR)
+                else:
+                    data = _read_exact(f, want)
+                    if total is not None and len(data) < want:
+                        raise StoreError(f"the source ended after {offset + len(data)} bytes; "
+                                         f"{total} were expected")
+                    if not data:
+                        break
+                    chunks.append(None)
+                    # memcmp against zeros runs at ~18 GB/s here: zero chunks cost almost nothing
+                    if data != (self._zero if len(data) == cs else bytes(len(data))):
+                        pending.append((i, pool.submit(self._store_chunk, data)))
+                        settle(2 * WORKERS)
+                    want = len(data)
+                offset += want
+                if progress is not None:
+                    progress(offset, total)
+            settle(0)
+            list(pool.map(fsync_dir, new_dirs))
+        return BlobIndex(size=offset, chunk_size=cs, chunks=chunks)
+
+    def _store_chunk(self, data: bytes) -> tuple[str, Path | None]:
+        """Hash a chunk and add it unless present; returns its hash and, if written, its directory."""
+        h = chunk_hash(data)
+        path = self._chunk_path(h)
+        if path.exists():
+            return h, None
+        os.rename(write_tmp(self._tmp, encode_chunk(data)), path)
+        return h, path.parent
+
+    def commit(self, machine: str, blobs: dict[str, BlobIndex],
+               parent: str | CheckpointManifest | None = None, name: str | None = None,
+               labels: dict[str, str] | None = None, meta: dict[str, Any] | None = None,
+               history: int = DEFAULT_HISTORY) -> CheckpointManifest:
+        """Make a checkpoint of `machine` from blobs already put. `parent` (a ref or manifest) is
+        the point the machine was last saved to or restored from; up to `history` points of its
+        chain are copied into the new manifest. Written atomically: until it returns, the
+        checkpoint is not visible."""
+        validate_name(machine, "machine name")
+        if name is not None:
+            validate_checkpoint_name(name)
+        labels = validate_labels(labels)
+        meta = dict(meta or {})
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"checkpoint meta must be plain JSON data: {e}") from e
+        if not isinstance(history, int) or history < 0:
+            raise InvalidArgument(f"history must be a number of points, not {history!r}")
+        if not isinstance(blobs, dict):
+            raise InvalidArgument("blobs must be a dict of blob name to BlobIndex")
+        for blob_name, blob in blobs.items():
+            validate_name(blob_name, "blob name")
+            if not isinstance(blob, BlobIndex):
+                raise InvalidArgument(f"blob {blob_name!r} is not a BlobIndex")
+        with os_errors("commit a checkpoint"), self.lock(operation="commit"):
+            base = None if parent is None else self._resolve(parent)
+            manifest = CheckpointManifest(
+                id=_new_id(), name=name, machine=machine, parent=base.id if base else None,
+                created=time.time(), labels=labels, blobs=dict(blobs), meta=meta, own_bytes=0,
+                history=[base.entry(), *base.history][:history] if base else [])
+            inherited = base.hashes() if base else set()
+            manifest.own_bytes = sum(size for h, size in self._chunk_sizes(manifest.hashes()).items()
+                                     if h not in inherited)
+            self._write_manifest(manifest)
+        return manifest
+
+    def _chunk_sizes(self, hashes: set[str]) -> dict[str, int]:
+        """The stored size of each chunk; refuses if any is missing (a gc may have run between
+        put_blob and commit)."""
+        sizes, missing = {}, []
+        for h in hashes:
+            try:
+                sizes[h] = self._chunk_path(h).stat().st_size
+            except FileNotFoundError:
+                missing.append(h)
+        if missing:
+            raise StoreError(f"cannot commit: {len(missing)} chunks of its blobs are missing from the store "
+                             f"(first {missing[0]}); a gc ran after put_blob? Put the blobs again, "
+                             "holding store.lock() until commit")
+        return sizes
+
+    def _write_manifest(self, manifest: CheckpointManifest) -> None:
+        """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/."""
+        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        dest = self._manifest_path(manifest.id)
+        with names_lock(self.root / "locks", self.lock_timeout) if manifest.name else nullcontext():
+            self._check_free(manifest)
+            os.rename(write_tmp(self._tmp, data), dest)
+        fsync_dir(dest.parent)
+
+    def _check_free(self, manifest: CheckpointManifest) -> None:
+        """Refuse a manifest whose id or name is already in the store."""
+        if self._manifest_path(manifest.id).exists():
+            raise CheckpointExists(f"checkpoint {manifest.id} is already in this store")
+        if manifest.name is not None:
+            for other in self.list():
+                if other.name == manifest.name:
+                    raise CheckpointExists(f"checkpoint name {manifest.name!r} is taken "
+                                           f"by checkpoint {other.id[:12]}")
+
+    # -- finding --------------------------------------------------------------------------
+
+    def get(self, ref: str, relative_to: str | CheckpointManifest | None = None) -> CheckpointManifest:
+        """The checkpoint `ref` names: a name, an id or a prefix of one (8 hex digits at
+        least), or `~N`, the N-th point back along `relative_to`'s history (`~0` is itself);
+        `REF~N` counts back from REF. A point whose manifest was deleted is rebuilt from the
+        history kept in the newer one."""
+        if not isinstance(ref, str) or not ref:
+            raise BadRef(f"a checkpoint reference must be a non-empty string, not {ref!r}")
+        back = _BACK.fullmatch(ref)
+        if back is None:
+            return self._find(ref)
+        start, n = back.group(1), int(back.group(2))
+        if start:
+            base = self.get(start)
+        elif relative_to is None:
+            raise BadRef(f"{ref!r} counts back from a checkpoint, but none was given to count from")
+        else:
+            base = self._resolve(relative_to)
+        if n > len(base.history):
+            raise UnknownCheckpoint(f"{ref!r} is past the history kept: checkpoint {base.id[:12]} "
+                                    f"keeps {len(base.history)} earlier points")
+        point = base.back(n)
+        path = self._manifest_path(point.id)
+        if n and path.exists():  # the point's own manifest may keep a longer history
+            with suppress(StoreError):
+                return self._load_manifest(path)
+        return point
+
+    def _find(self, ref: str) -> CheckpointManifest:
+        if _HEX.fullmatch(ref) and len(ref) >= 8:  # names cannot look like this (model.py)
+            prefix = ref.lower()
+            hits = sorted(p.stem for p in self._manifest_paths() if p.stem.startswith(prefix))
+            if len(hits) > 1:
+                shown = ", ".join(h[:12] for h in hits[:5])
+                raise BadRef(f"{ref!r} matches {len(hits)} checkpoints ({shown}); give more of the id")
+            if not hits:
+                raise UnknownCheckpoint(f"no checkpoint has an id starting with {ref!r}")
+            return self._load_manifest(self._manifest_path(hits[0]))
+        for manifest in self.list():
+            if manifest.name == ref:
+                return manifest
+        if _HEX.fullmatch(ref):
+            raise BadRef(f"id prefix {ref!r} is too short: give at least 8 characters")
+        raise UnknownCheckpoint(f"no checkpoint named {ref!r}")
+
+    def _resolve(self, ref: str | CheckpointManifest) -> CheckpointManifest:
+        return ref if isinstance(ref, CheckpointManifest) else self.get(ref)
+
+    def delete(self, ref: str) -> CheckpointManifest:
+        """Remove a checkpoint's manifest (gc frees its chunks); returns what was removed.
+        Later checkpoints keep it in their history."""
+        with os_errors("delete a checkpoint"), self.lock(operation="delete"):
+            manifest = self.get(ref)
+            try:
+                self._manifest_path(manifest.id).unlink()
+            except FileNotFoundError:
+                raise UnknownCheckpoint(f"checkpoint {manifest.id[:12]} has no manifest of its own to "
+                                        "delete: it lives on only in the history of later ones") from None
+            fsync_dir(self.root / "checkpoints")
+        return manifest
+
+    # -- reading --------------------------------------------------------------------------
+
+    def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str]) -> None:
+        """Write a blob to `dest`, leaving zero chunks as holes, checking every chunk against
+        its hash. On any error (CorruptChunk names the chunk) no file is left at `dest`:
+        the data goes to a temporary file beside it, renamed into place at the end. It is not
+        fsync'ed: it can always be made again from the store."""
+        dest = Path(dest)
+        with os_errors(f"write {dest}"), self.lock(operation="materialize"):
+            tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                def place(item: tuple[int, str]) -> None:
+                    i, h = item
+                    data = self._load_chunk(h)
+                    want = min(blob.chunk_size, blob.size - i * blob.chunk_size)
+                    if len(data) != want:
+                        raise CorruptChunk(f"chunk {h} has {len(data)} bytes where the blob needs {want}")
+                    if os.pwrite(fd, data, i * blob.chunk_size) != want:  # short only when the disk is full
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dest))
+
+                with worker_pool() as pool:
+                    list(pool.map(place, [(i, h) for i, h in enumerate(blob.chunks) if h]))
+                os.ftruncate(fd, blob.size)
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            os.close(fd)
+            os.rename(tmp, dest)
+
+    def _chunk_path(self, h: str) -> Path:
+        return self.root / "chunks" / h[:2] / h
+
+    def _read_stored(self, h: str) -> bytes:
+        """A chunk's file as stored (compressed)."""
+        try:
+            return self._chunk_path(h).read_bytes()
+        except FileNotFoundError:
+            raise CorruptChunk(f"chunk {h} is missing from the store") from None
+        except OSError as e:
+            raise CorruptChunk(f"chunk {h} cannot be read: {e.strerror}") from e
+
+    def _load_chunk(self, h: str) -> bytes:
+        return decode_chunk(h, self._read_stored(h))
+
+    def _manifest_path(self, checkpoint_id: str) -> Path:
+        return self.root / "checkpoints" / f"{checkpoint_id}.json"
+
+    def _manifest_paths(self) -> list[Path]:
+        return sorted((self.root / "checkpoints").glob("*.json"))
+
+    def _load_manifest(self, path: Path) -> CheckpointManifest:
+        try:
+            manifest = CheckpointManifest.from_json(json.loads(path.read_bytes()))
+        except FileNotFoundError:
+            raise UnknownCheckpoint(f"checkpoint {path.stem[:12]} was deleted meanwhile") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StoreError(f"checkpoint file {path.name} is damaged: {e}") from e
+        if manifest.id != path.stem:
+            raise StoreError(f"checkpoint file {path.name} is damaged: it holds checkpoint {manifest.id}")
+        return manifest
+
+    # -- upkeep ---------------------------------------------------------------------------
+
+    def check(self, read_data: bool = False) -> CheckReport:
+        """Check that every manifest parses and every chunk they (and their histories) use is
+        there; with read_data, also that each decompresses to bytes matching its hash."""
+        with os_errors("check the store"), self.lock(operation="check"):
+            problems = []
+            users: dict[str, str] = {}  # chunk -> one user, to say in a problem what it breaks
+            paths = self._manifest_paths()
+            for path in paths:
+                try:
+                    manifest = self._load_manifest(path)
+                except StoreError as e:
+                    problems.append(str(e))
+                    continue
+                for entry in [manifest, *manifest.history]:
+                    for blob_name, blob in entry.blobs.items():
+                        for h in blob.hashes():
+                            users.setdefault(h, f"blob {blob_name!r} of checkpoint {entry.id[:12]}")
+
+            def verify(h: str) -> str | None:
+                try:
+                    if read_data:
+                        self._load_chunk(h)
+                    elif not self._chunk_path(h).is_file():
+                        raise CorruptChunk(f"chunk {h} is missing from the store")
+                except CorruptChunk as e:
+                    return f"{e} (used by {users[h]})"
+                return None
+
+            with worker_pool() as pool:
+                found = pool.map(verify, users) if read_data else map(verify, users)
+                problems += [p for p in found if p]
+        return CheckReport(checkpoints=len(paths), chunks=len(users), problems=problems)
+
+    def prune(self, keep_last: int | None = None, keep_days: float | None = None,
+              per_machine: bool = True) -> list[str]:
+        """Delete the checkpoints no policy keeps: the newest `keep_last` (of each machine, or of
+        the store) and those younger than `keep_days`. Returns the ids removed; gc() then frees
+        their chunks (those that no later checkpoint's history still uses)."""
+        if keep_last is None and keep_days is None:
+            raise InvalidArgument("prune needs keep_last or keep_days")
+        if keep_last is not None and not (isinstance(keep_last, int) and keep_last >= 0):
+            raise InvalidArgument(f"keep_last must be a count, not {keep_last!r}")
+        if keep_days is not None and not (isinstance(keep_days, int | float) and keep_days >= 0):
+            raise InvalidArgument(f"keep_days must be a number of days, not {keep_days!r}")
+        with os_errors("prune checkpoints"), self.lock(exclusive=True, operation="prune"):
+            newest_first = self.list()[::-1]
+            keep = set()
+            if keep_last is not None:
+                seen: dict[str, int] = {}
+                for manifest in newest_first:
+                    group = manifest.machine if per_machine else ""
+                    seen[group] = seen.get(group, 0) + 1
+                    if seen[group] <= keep_last:
+                        keep.add(manifest.id)
+            if keep_days is not None:
+                cutoff = time.time() - keep_days * 86400
+                keep |= {m.id for m in newest_first if m.created >= cutoff}
+            removed = [m.id for m in newest_first if m.id not in keep]
+            for checkpoint_id in removed:
+                self._manifest_path(checkpoint_id).unlink(missing_ok=True)
+            fsync_dir(self.root / "checkpoints")
+        return removed
+
+    def gc(self) -> GcReport:
+        """Remove the chunks no manifest uses (history entries count as uses) and whatever
+        interrupted writes left in tmp/. Refuses to run while any manifest is unreadable."""
+        with os_errors("collect garbage"), self.lock(exclusive=True, operation="gc"):
+            live: set[str] = set()
+            for path in self._manifest_paths():
+                try:
+                    live |= self._load_manifest(path).all_hashes()
+                except StoreError as e:
+                    raise StoreError(f"gc stopped, nothing removed: {e}; "
+                                     "remove or repair that file first") from e
+            chunks = freed = 0
+            for path in (self.root / "chunks").glob("*/*"):
+                if path.name not in live:
+                    freed += path.stat().st_size
+                    path.unlink()
+                    chunks += 1
+            tmp = 0
+            for path in self._tmp.iterdir():
+                freed += path.stat().st_size
+                path.unlink()
+                tmp += 1
+            live_holders(self.root / "locks")  # as a side effect, drops the notes of holders that died
+        return GcReport(chunks_removed=chunks, bytes_freed=freed, tmp_removed=tmp)
+
+    def list(self) -> list[CheckpointManifest]:
+        """All checkpoints, oldest first. A manifest that cannot be read is left out (check()
+        reports it)."""
+        out = []
+        for path in self._manifest_paths():
+            with suppress(StoreError):
+                out.append(self._load_manifest(path))
+        return sorted(out, key=lambda m: (m.created, m.id))
+
+
+def _create(root: Path, chunk_size: int) -> None:
+    if not _valid_chunk_size(chunk_size):
+        raise InvalidArgument(f"invalid chunk size {chunk_size!r}: "
+                              f"use a multiple of 4096 up to {MAX_CHUNK_SIZE}")
+    if root.exists() and not {p.name for p in root.iterdir()} <= set(_DIRS):
+        raise StoreError(f"cannot make a checkpoint store at {root}: it exists and holds other files")
+    with os_errors(f"make a checkpoint store at {root}"):
+        for d in _DIRS:
+            (root / d).mkdir(parents=True, exist_ok=True)
+        for i in range(256):  # made once here, so that adding a chunk never needs a mkdir
+            (root / "chunks" / f"{i:02x}").mkdir(exist_ok=True)
+        config = json.dumps({"format": FORMAT, "chunk_size": chunk_size}).encode()
+        os.rename(write_tmp(root / "tmp", config), root / "config.json")  # last: it marks the store made
+        fsync_dir(root)
+
+
+def _valid_chunk_size(chunk_size: object) -> bool:
+    # Whole pages, so that a dirty-page bitmap maps onto chunks.
+    return isinstance(chunk_size, int) and 0 < chunk_size <= MAX_CHUNK_SIZE and chunk_size % 4096 == 0
+
+
+@contextmanager
+def _opened(source: str | os.PathLike[str] | BinaryIO) -> Iterator[BinaryIO]:
+    """A path is opened (and closed after); a file object is used as it is."""
+    if isinstance(source, str | os.PathLike):
+        with open(source, "rb", buffering=0) as f:
+            yield f
+    else:
+        yield source
+
+
+def _regular_size(f: BinaryIO) -> int | None:
+    """The bytes left in a regular file from its position, or None for a stream."""
+    try:
+        st = os.fstat(f.fileno())
+        return max(st.st_size - f.tell(), 0) if stat.S_ISREG(st.st_mode) else None
+    except (AttributeError, OSError, ValueError):  # BytesIO has no fileno; pipes cannot tell
+        return None
+
+
+def _next_data(f: BinaryIO, pos: int) -> int:
+    """The first position at or after `pos` that may hold data: a sparse file's holes (where
+    the engine's RAM images keep zero pages) need not be read. Leaves f at `pos`."""
+    try:
+        found = os.lseek(f.fileno(), pos, os.SEEK_DATA)
+    except OSError as e:  # ENXIO: nothing but holes up to the end; else the file system cannot tell
+        found = sys.maxsize if e.errno == errno.ENXIO else pos
+    f.seek(pos)
+    return found
+
+
+def _read_exact(f: BinaryIO, n: int) -> bytes:
+    """Up to n bytes; fewer only at the end (pipes may return less per read)."""
+    data = f.read(n) or b""
+    while len(data) < n and (more := f.read(n - len(data))):
+        data += more
+    return data
+
+
+def _unchanged_entry(known: BlobIndex, i: int, length: int) -> str | None:
+    if i >= len(known.chunks) or min(known.chunk_size, known.size - i * known.chunk_size) != length:
+        raise InvalidArgument(f"chunk {i} cannot be unchanged: it differs in extent from the known blob")
+    return known.chunks[i]

@@ -1,0 +1,147 @@
+"""Moving a checkpoint between stores as one portable file.
+
+Layout (integers are big-endian u32):
+
+    b"RWNDEXP1"                 magic, with the format version as its last byte
+    n, n bytes                  the manifest as JSON, its history included
+    count                       then `count` chunks, each:
+        32 bytes                the chunk's blake3 digest
+        n, n bytes              its zstd frame, as stored
+    32 bytes                    blake3 of everything before it
+
+Every chunk the manifest or its history uses is in the file, so it restores into an empty
+store. Import writes chunks to tmp/ and moves them into place only once the whole file's
+checksum, every chunk's hash and the manifest have been checked: a bad file adds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk, fsync_dir, os_errors, write_tmp
+from rewind.store.errors import BadExport, CorruptChunk
+from rewind.store.model import CheckpointManifest
+from rewind.store.store import Store
+
+MAGIC = b"RWNDEXP1"
+_U32 = struct.Struct(">I")
+_MAX_MANIFEST = 1 << 30
+_MAX_FRAME = 2 * MAX_CHUNK_SIZE  # a zstd frame is never much larger than its content
+
+
+def export_checkpoint(store: Store, ref: str | CheckpointManifest, out_path: str | os.PathLike[str]
+                      ) -> CheckpointManifest:
+    """Write checkpoint `ref` (with its history and every chunk they use) to `out_path`;
+    returns its manifest. Chunks are checked on the way out, so damage is not passed on."""
+    out = Path(out_path)
+    with os_errors(f"write {out}"), store.lock(operation="export"):
+        manifest = store._resolve(ref)
+        hashes = sorted(manifest.all_hashes())
+        tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                writer = _Writer(f)
+                body = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+                writer.write(MAGIC + _U32.pack(len(body)))
+                writer.write(body)
+                writer.write(_U32.pack(len(hashes)))
+                for h in hashes:
+                    stored = store._read_stored(h)
+                    decode_chunk(h, stored)
+                    writer.write(bytes.fromhex(h) + _U32.pack(len(stored)))
+                    writer.write(stored)
+                f.write(writer.hasher.digest())
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return manifest
+
+
+def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> CheckpointManifest:
+    """Add the checkpoint exported to `in_path`, keeping its id, name and history. A truncated
+    or damaged file, or a checkpoint (id or name) already here, is refused with nothing added."""
+    src = Path(in_path)
+    staged: list[tuple[Path, Path]] = []  # (file in tmp/, its place in chunks/)
+    with os_errors(f"import {src}"), store.lock(operation="import"):
+        try:
+            with open(src, "rb") as f:
+                reader = _Reader(f, src)
+                if f.read(len(MAGIC)) != MAGIC:
+                    raise BadExport(f"{src} is not a rewind checkpoint export")
+                reader.hasher.update(MAGIC)
+                body = reader.read(reader.length(_MAX_MANIFEST))
+                included = set()
+                for _ in range(reader.u32()):
+                    h = reader.read(32).hex()
+                    stored = reader.read(reader.length(_MAX_FRAME))
+                    included.add(h)
+                    if not store._chunk_path(h).exists():
+                        try:
+                            decode_chunk(h, stored)
+                        except CorruptChunk as e:
+                            raise BadExport(f"{src} is damaged: {e}") from e
+                        staged.append((write_tmp(store._tmp, stored), store._chunk_path(h)))
+                if f.read(33) != reader.hasher.digest():
+                    raise BadExport(f"{src} is damaged or truncated: its checksum does not match its content")
+            try:
+                manifest = CheckpointManifest.from_json(json.loads(body))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise BadExport(f"{src} is damaged: its manifest does not parse ({e})") from e
+            missing = manifest.all_hashes() - included
+            if missing:
+                raise BadExport(f"{src} is incomplete: it lacks chunk {min(missing)}")
+            store._check_free(manifest)
+            for tmp, dest in staged:
+                os.rename(tmp, dest)
+            for directory in {dest.parent for _, dest in staged}:
+                fsync_dir(directory)
+            store._write_manifest(manifest)
+        finally:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)  # gone already if it was moved into place
+    return manifest
+
+
+class _Writer:
+    """Writes an export, hashing what it writes."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.hasher = f, blake3.blake3()
+
+    def write(self, data: bytes) -> None:
+        self.hasher.update(data)
+        self.f.write(data)
+
+
+class _Reader:
+    """Reads an export, hashing what it reads; a short read means the file was cut short."""
+
+    def __init__(self, f: BinaryIO, path: Path) -> None:
+        self.f, self.path, self.hasher = f, path, blake3.blake3()
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise BadExport(f"{self.path} is truncated: it ends in the middle of a record")
+        self.hasher.update(data)
+        return data
+
+    def u32(self) -> int:
+        n: int = _U32.unpack(self.read(4))[0]
+        return n
+
+    def length(self, limit: int) -> int:
+        n = self.u32()
+        if n > limit:
+            raise BadExport(f"{self.path} is damaged: a record claims {n} bytes")
+        return n
