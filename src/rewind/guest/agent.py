@@ -1,10 +1,11 @@
 """The rewind guest agent: runs inside the machine, serves the host over a virtio-serial port.
 
-One host client at a time (the host holds a per-machine lock). Every client
+One host client per port at a time (the host locks the port). Every client
 starts with a `hello` carrying a nonce; the agent answers it, which tells the
-client where the fresh stream begins. If the client goes away (the port reads
-EOF) or a new `hello` arrives mid-request, the request is abandoned: a running
-command's process group is killed and a half-written file is removed.
+client where the fresh stream begins. When a hello with a new nonce arrives
+mid-request, or output finds no client connected for HOST_GONE_AFTER seconds,
+the request is abandoned: a running command's process group is killed and a
+half-written file is removed.
 
 Standard library only; the image builder copies this file and protocol.py
 into the guest.
@@ -38,6 +39,7 @@ DEFAULT_ENV = {
 }
 DEFAULT_OUTPUT_CAP = 16 << 20
 TIMEOUT_EXIT_CODE = 124  # as GNU timeout reports it
+HOST_GONE_AFTER = 2.0  # seconds without a host before output is abandoned
 
 
 class Reset(Exception):
@@ -74,37 +76,48 @@ def find_ports() -> list[str]:
 
 
 class Port:
-    """The virtio-serial port, non-blocking, with frame decoding."""
+    """The virtio-serial port, non-blocking, with frame decoding.
+
+    Sessions are told apart by the nonce of their hello, not by the port's
+    connect and disconnect events: the guest may see a client's disconnect
+    only after the next client's first bytes (the events and the data travel
+    on different queues), so EOF never discards data or ends a request.
+    """
 
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         self.decoder = Decoder()
         # Edge-triggered: while no host is connected the port reports IN|HUP
         # continuously; an edge wakes us only when that changes.
-        self.idle_wait = select.epoll()
-        self.idle_wait.register(self.fd, select.EPOLLIN | select.EPOLLET)
-        # Level-triggered: it must report HUP at once if the host is already gone.
+        self.edges = select.epoll()
+        self.edges.register(self.fd, select.EPOLLIN | select.EPOLLET)
+        # Level-triggered: it must report HUP at once if the host is gone.
         self.write_wait = select.poll()
         self.write_wait.register(self.fd, select.POLLOUT)
         self.host_gone = False
+        self.session: str | None = None  # the nonce of the client being served
 
     def pump(self) -> None:
-        """Read all that is available into the decoder; Reset on EOF (host gone)."""
+        """Read all that is available into the decoder."""
         while True:
             try:
                 data = os.read(self.fd, 1 << 20)
             except BlockingIOError:
                 return
             if not data:
-                self.decoder.reset()
-                self.host_gone = True
-                raise Reset()
+                self.host_gone = True  # for now: wait for an edge before reading again
+                return
             self.decoder.feed(data)
 
     def take(self, in_request: bool) -> tuple[dict, bytes] | None:
-        frame = self.decoder.next()
-        if frame and in_request and frame[0].get("t") == "hello":
-            raise Reset(frame[0].get("nonce"))
+        while (frame := self.decoder.next()) is not None and frame[0].get("t") == "hello":
+            nonce = frame[0].get("nonce")
+            if nonce != self.session:
+                if in_request:
+                    raise Reset(nonce)  # a new client: whatever the old one asked is abandoned
+                self.session = nonce
+            # The current client resends its hello until answered; answer each, abandon nothing.
+            self.send({"t": "hello", "nonce": nonce})
         return frame
 
     def recv(self, in_request: bool = True, deadline: float | None = None) -> tuple[dict, bytes]:
@@ -116,25 +129,32 @@ class Port:
             if frame:
                 return frame
             if self.host_gone:
-                # Wait for the edge of a host connecting (bounded, in case one is missed).
-                self.idle_wait.poll(5.0)
+                self.edges.poll(5.0)  # bounded, in case an edge is missed
                 self.host_gone = False
             self.pump()
             frame = self.take(in_request)
             if frame:
                 return frame
-            self.idle_wait.poll(1.0)
+            if not self.host_gone:
+                self.edges.poll(1.0)
 
     def send(self, header: dict, payload: bytes = b"") -> None:
+        """Write a frame. If no host is connected for HOST_GONE_AFTER seconds, the client
+        is taken to be gone: Reset."""
         view = memoryview(encode(header, payload))
+        gone_since = None
         while view:
             try:
-                n = os.write(self.fd, view)
-                view = view[n:]
+                view = view[os.write(self.fd, view) :]
+                gone_since = None
             except BlockingIOError:
-                for _, ev in self.write_wait.poll(1000):
-                    if ev & select.POLLHUP:
+                events = self.write_wait.poll(1000)
+                if any(ev & select.POLLHUP for _, ev in events):
+                    now = time.monotonic()
+                    gone_since = gone_since or now
+                    if now - gone_since > HOST_GONE_AFTER:
                         raise Reset() from None
+                    time.sleep(0.01)
 
 
 def error_frame(kind: str, message: str) -> dict:
@@ -210,7 +230,7 @@ def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: 
     stdin_closing = False
     pidfd = os.pidfd_open(proc.pid)
     poller = select.epoll()
-    poller.register(port.fd, select.EPOLLIN)
+    poller.register(port.fd, select.EPOLLIN | select.EPOLLET)
     poller.register(pidfd, select.EPOLLIN)
     for fd in outs:
         poller.register(fd, select.EPOLLIN)
@@ -482,9 +502,6 @@ def serve(port: Port) -> None:
         try:
             header, payload = port.recv(in_request=False)
             kind = header.get("t")
-            if kind == "hello":
-                port.send({"t": "hello", "nonce": header.get("nonce")})
-                continue
             handler = HANDLERS.get(kind)
             if handler is None:
                 port.send(error_frame("bad_request", f"unknown request: {kind!r}"))
@@ -495,6 +512,7 @@ def serve(port: Port) -> None:
                 port.send(error_frame(e.kind, str(e)))
         except Reset as r:
             if r.nonce is not None:
+                port.session = r.nonce
                 with contextlib.suppress(Reset):
                     port.send({"t": "hello", "nonce": r.nonce})
 

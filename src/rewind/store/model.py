@@ -15,6 +15,7 @@ from typing import Any
 from rewind.errors import InvalidArgument
 
 FORMAT = 1
+MAX_CHUNKS = 1 << 26  # 16 TiB in 256 KiB chunks; bounds what a damaged size can make us allocate
 HASH = re.compile(r"[0-9a-f]{64}")
 ID = re.compile(r"[0-9a-f]{32}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -98,6 +99,8 @@ class BlobIndex:
         if not (_is_int(size) and size >= 0 and _is_int(chunk_size) and chunk_size > 0):
             raise ValueError("bad blob size or chunk size")
         count = chunk_count(size, chunk_size)
+        if count > MAX_CHUNKS:
+            raise ValueError(f"implausible blob size {size}")
         if "changed" in data:
             if base is None or base.chunk_size != chunk_size:
                 raise ValueError("blob changes without a matching newer blob")

@@ -1,0 +1,479 @@
+"""The checkpoint store (rewind.store): no QEMU here, only blobs, manifests and files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rewind.store.store as store_module
+from rewind.errors import InvalidArgument
+from rewind.store import (
+    BadExport,
+    BadRef,
+    BlobIndex,
+    CheckpointExists,
+    CheckpointManifest,
+    CorruptChunk,
+    Store,
+    StoreBusy,
+    StoreError,
+    UnknownCheckpoint,
+    export_checkpoint,
+    import_checkpoint,
+)
+
+CS = 4096  # small chunks keep the tests fast; the code does not care
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_threads() -> Iterator[None]:
+    """Every operation's worker threads are gone when it returns, even after an error."""
+    yield
+    assert not [t for t in threading.enumerate() if t.name.startswith("rewind-store")]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store.open(tmp_path / "store", create=True, chunk_size=CS)
+
+
+def chunk_files(store: Store) -> set[str]:
+    return {p.name for p in (store.root / "chunks").glob("*/*")}
+
+
+def rand(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def put(store: Store, data: bytes) -> BlobIndex:
+    return store.put_blob(BytesIO(data))
+
+
+def materialized(store: Store, blob: BlobIndex, tmp_path: Path) -> bytes:
+    dest = tmp_path / "out"
+    store.materialize(blob, dest)
+    return dest.read_bytes()
+
+
+def chain(store: Store, datas: list[bytes], **kwargs: object) -> list[CheckpointManifest]:
+    """Commit one checkpoint per blob, each the parent of the next."""
+    out: list[CheckpointManifest] = []
+    for data in datas:
+        out.append(store.commit("m", {"ram": put(store, data)}, parent=out[-1] if out else None, **kwargs))
+    return out
+
+
+def store_state(store: Store) -> tuple[set[str], list[str], list[str]]:
+    return chunk_files(store), sorted(os.listdir(store.root / "checkpoints")), os.listdir(store.root / "tmp")
+
+
+# -- blobs ------------------------------------------------------------------------------------
+
+segments = st.lists(st.tuples(st.sampled_from(["zero", "random", "ones"]), st.integers(0, 3 * CS + 17)),
+                    max_size=6)
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    return Store.open(tmp_path_factory.mktemp("shared") / "store", create=True, chunk_size=CS)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=segments, seed=st.integers(0, 2**32), as_file=st.booleans())
+def test_round_trip_of_blobs_with_zero_runs_and_odd_sizes(shared_store: Store, tmp_path: Path,
+                                                          parts: list[tuple[str, int]], seed: int,
+                                                          as_file: bool) -> None:
+    data = b"".join(bytes(n) if kind == "zero" else b"\xff" * n if kind == "ones" else rand(n, seed)
+                    for kind, n in parts)
+    if as_file:
+        (tmp_path / "src").write_bytes(data)
+        blob = shared_store.put_blob(tmp_path / "src")
+    else:
+        blob = put(shared_store, data)
+    assert blob.size == len(data)
+    assert [h is None for h in blob.chunks] == [not any(data[i:i + CS]) for i in range(0, len(data), CS)]
+    assert materialized(shared_store, blob, tmp_path) == data
+    assert BlobIndex.from_json(blob.to_json()) == blob
+
+
+@given(old=st.lists(st.sampled_from([None, "a" * 64, "b" * 64]), max_size=20),
+       new=st.lists(st.sampled_from([None, "a" * 64, "c" * 64]), max_size=20))
+def test_blob_index_json_is_exact_alone_and_against_a_newer_one(old: list[str | None],
+                                                                 new: list[str | None]) -> None:
+    a, b = BlobIndex(len(old) * CS, CS, old), BlobIndex(len(new) * CS - 5 if new else 0, CS, new)
+    assert BlobIndex.from_json(a.to_json(base=b), base=b) == a
+    assert BlobIndex.from_json(a.to_json()) == a
+
+
+def test_the_same_blob_twice_adds_no_chunk_and_one_changed_chunk_adds_one(store: Store) -> None:
+    data = rand(16 * CS) + rand(CS, seed=1) * 3  # the repeated chunk is stored once
+    first = put(store, data)
+    assert len(chunk_files(store)) == 17
+    assert put(store, data) == first
+    assert len(chunk_files(store)) == 17
+    changed = bytearray(data)
+    changed[5 * CS + 100] ^= 1
+    second = put(store, bytes(changed))
+    assert len(chunk_files(store)) == 18
+    assert [i for i, (a, b) in enumerate(zip(first.chunks, second.chunks, strict=True)) if a != b] == [5]
+
+
+def test_zero_chunks_take_no_space(store: Store, tmp_path: Path) -> None:
+    data = bytes(256 * CS) + b"tail"
+    blob = put(store, data)
+    assert blob.chunks.count(None) == 256 and len(chunk_files(store)) == 1
+    store.materialize(blob, tmp_path / "sparse")
+    assert (tmp_path / "sparse").read_bytes() == data
+    assert os.stat(tmp_path / "sparse").st_blocks * 512 <= 2 * CS  # a hole, not a megabyte of zeros
+
+
+def test_holes_of_a_sparse_source_are_not_read(store: Store, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.write(rand(3 * CS))
+        f.seek(13 * CS)
+        f.write(rand(CS, seed=1))
+        f.truncate(20 * CS + 7)
+    reads = []
+    real_read = store_module._read_exact
+    monkeypatch.setattr(store_module, "_read_exact", lambda f, n: reads.append(n) or real_read(f, n))
+    with open(path, "rb") as f:
+        f.seek(5)  # a blob may start anywhere in a file
+        blob = store.put_blob(f)
+    assert materialized(store, blob, tmp_path) == path.read_bytes()[5:]
+    assert blob.chunks.count(None) == 16 and len(reads) < 8  # 5 chunks hold data; holes are not read
+
+
+def test_chunks_said_unchanged_come_from_the_known_index_unread(store: Store, tmp_path: Path) -> None:
+    old = rand(8 * CS)
+    known = put(store, old)
+    new = bytearray(old)
+    new[3 * CS:4 * CS] = rand(CS, seed=9)
+    source = bytearray(new)
+    source[0:CS] = b"x" * CS  # garbage where the caller promises 'unchanged': it must not be read
+    (tmp_path / "src").write_bytes(source)
+    blob = store.put_blob(tmp_path / "src", known=known, unchanged={0, 1, 2, 4, 5, 6, 7})
+    assert materialized(store, blob, tmp_path) == bytes(new)
+    with pytest.raises(InvalidArgument, match="known index"):
+        store.put_blob(tmp_path / "src", unchanged={0})
+    with pytest.raises(InvalidArgument, match="chunk 8 cannot be unchanged"):
+        store.put_blob(BytesIO(bytes(9 * CS)), size=9 * CS, known=known, unchanged={8})
+
+
+def test_a_short_source_is_refused(store: Store) -> None:
+    with pytest.raises(StoreError, match="ended after 100 bytes; 5000 were expected"):
+        store.put_blob(BytesIO(rand(100)), size=5000)
+
+
+# -- checkpoints and refs ---------------------------------------------------------------------
+
+def test_commit_records_lineage_and_own_bytes(store: Store) -> None:
+    a, b = chain(store, [rand(4 * CS), rand(4 * CS)[:3 * CS] + rand(CS, seed=5)], labels={"task": "t"},
+                 meta={"engine": {"ram": 512}})
+    assert b.parent == a.id and [e.id for e in b.history] == [a.id]
+    assert a.own_bytes > 3 * CS and 0 < b.own_bytes < 2 * CS  # only the changed chunk is its own
+    assert store.get(b.id) == b and store.list() == [a, b]
+    assert b.labels == {"task": "t"} and b.meta == {"engine": {"ram": 512}}
+
+
+def test_history_survives_deleting_the_middle_and_gc(store: Store, tmp_path: Path) -> None:
+    datas = [rand(6 * CS, seed=i) + bytes(2 * CS) for i in range(5)]
+    points = chain(store, datas)
+    for p in points[1:4]:
+        store.delete(p.id)
+    report = store.gc()
+    assert report.chunks_removed == 0, "chunks that history entries use were removed"
+    newest = points[-1]
+    third_back = store.get("~3", relative_to=newest)
+    assert third_back.id == points[1].id and third_back.history[0].id == points[0].id
+    assert materialized(store, third_back.blobs["ram"], tmp_path) == datas[1]
+    assert store.get("~4", relative_to=newest.id) == points[0]  # its manifest is still there
+    assert store.check(read_data=True).ok
+
+
+def test_ref_errors(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = iter(["aaaaaaaa" + "0" * 24, "aaaaaaaa" + "1" * 24, "bbbbbbbb" + "0" * 24])
+    monkeypatch.setattr(store_module, "_new_id", lambda: next(ids))
+    a, b, c = chain(store, [rand(CS, seed=i) for i in range(3)], history=1)
+    with pytest.raises(BadRef, match="'aaaaaaaa' matches 2 checkpoints"):
+        store.get("aaaaaaaa")
+    assert store.get("aaaaaaaa1") == b == store.get("BBBBBBBB~1")
+    with pytest.raises(BadRef, match="id prefix 'aaaa' is too short"):
+        store.get("aaaa")
+    with pytest.raises(UnknownCheckpoint, match="no checkpoint named 'ghost'"):
+        store.get("ghost")
+    with pytest.raises(UnknownCheckpoint, match="no checkpoint has an id starting with 'cccccccc'"):
+        store.get("cccccccc")
+    with pytest.raises(UnknownCheckpoint, match="'~2' is past the history kept: checkpoint bbbbbbbb0000 kee"):
+        store.get("~2", relative_to=c)
+    with pytest.raises(BadRef, match="'~1' counts back from a checkpoint, but none was given"):
+        store.get("~1")
+    store.delete(b.id)
+    rebuilt = store.get("~1", relative_to="bbbbbbbb")  # from c's history, which keeps only b
+    assert rebuilt.entry() == b.entry() and rebuilt.history == []
+    assert store.get("~0", relative_to=c) == c == store.get("bbbbbbbb~0")
+    with pytest.raises(UnknownCheckpoint, match="no checkpoint has an id starting with 'aaaaaaaa1'"):
+        store.get("aaaaaaaa1")
+    with pytest.raises(UnknownCheckpoint, match="no manifest of its own to delete"):
+        store.delete("bbbbbbbb~1")
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..x", "-x", "x" * 64, "deadbeef", "x~1"])
+def test_bad_checkpoint_names(store: Store, name: str) -> None:
+    with pytest.raises(InvalidArgument, match="checkpoint name"):
+        store.commit("m", {}, name=name)
+    assert store.list() == []
+
+
+def test_a_taken_name(store: Store) -> None:
+    first = store.commit("m", {}, name="before-upgrade")
+    with pytest.raises(CheckpointExists, match=f"'before-upgrade' is taken by checkpoint {first.id[:12]}"):
+        store.commit("m", {}, name="before-upgrade")
+    assert store.get("before-upgrade~0") == first and len(store.list()) == 1
+
+
+def test_one_name_is_taken_once_by_racing_commits(store: Store) -> None:
+    def commit(_: int) -> str:
+        try:
+            return store.commit("m", {}, name="race").id
+        except CheckpointExists:
+            return "refused"
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(commit, range(4)))
+    assert results.count("refused") == 3 and [m.name for m in store.list()] == ["race"]
+
+
+def test_commit_refuses_blobs_whose_chunks_are_gone(store: Store) -> None:
+    blob = put(store, rand(2 * CS))
+    store.gc()  # nothing committed uses them yet
+    with pytest.raises(StoreError, match="2 chunks of its blobs are missing"):
+        store.commit("m", {"ram": blob})
+    assert store.list() == []
+
+
+# -- damage and interruption --------------------------------------------------------------------
+
+def test_a_flipped_byte_in_a_chunk_is_found_and_refused(store: Store, tmp_path: Path) -> None:
+    blob = put(store, rand(4 * CS))
+    store.commit("m", {"ram": blob})
+    victim = blob.chunks[2]
+    assert victim is not None
+    path = store.root / "chunks" / victim[:2] / victim
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(raw)
+    assert store.check().ok  # without reading data only presence is checked
+    report = store.check(read_data=True)
+    assert not report.ok and report.checkpoints == 1 and report.chunks == 4
+    assert report.problems == [f"chunk {victim} is damaged: its content does not match its hash "
+                               f"(used by blob 'ram' of checkpoint {store.list()[0].id[:12]})"]
+    with pytest.raises(CorruptChunk, match=victim):
+        store.materialize(blob, tmp_path / "restored")
+    assert sorted(os.listdir(tmp_path)) == ["store"], "a partial file was left behind"
+    path.unlink()
+    assert "is missing" in store.check().problems[0]
+
+
+def test_a_damaged_manifest_is_reported_and_stops_gc(store: Store) -> None:
+    good = store.commit("m", {"ram": put(store, rand(CS))})
+    bad = store.commit("m", {})
+    (store.root / "checkpoints" / f"{bad.id}.json").write_text("{not json")
+    assert store.list() == [good]
+    assert "is damaged" in store.check().problems[0]
+    with pytest.raises(StoreError, match="gc stopped, nothing removed"):
+        store.gc()
+
+
+_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from rewind.store import Store
+    store, where, src = Store.open(sys.argv[1]), sys.argv[2], sys.argv[3]
+    die = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+    if where == "put_blob":
+        store.put_blob(src, progress=lambda done, total: done >= total // 2 and die())
+    else:  # die at the rename that would make the manifest visible
+        blob = store.put_blob(src)
+        rename = os.rename
+        os.rename = lambda a, b: die() if os.path.dirname(b).endswith("/checkpoints") else rename(a, b)
+        store.commit("victim", {"ram": blob}, name="never")
+""")
+
+
+@pytest.mark.parametrize("where", ["put_blob", "commit"])
+def test_a_checkpoint_killed_midway_is_never_visible(store: Store, tmp_path: Path, where: str) -> None:
+    kept = store.commit("m", {"ram": put(store, rand(8 * CS, seed=1))})
+    (tmp_path / "src").write_bytes(rand(64 * CS, seed=2))
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(store.root), where, str(tmp_path / "src")],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -9, child.stderr
+    assert store.list() == [kept]
+    assert store.check(read_data=True).ok
+    store.gc()  # removes what the dead writer left: its chunks, its temp files, its lock note
+    assert chunk_files(store) == kept.hashes() and not os.listdir(store.root / "tmp")
+    assert not list((store.root / "locks").glob("*.json"))
+    assert store.commit("m", {}, name="never").name == "never"
+
+
+def test_out_of_space_leaves_nothing_visible(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    blob = put(store, rand(4 * CS))
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StoreError, match="cannot store a blob: out of space"):
+        put(store, rand(4 * CS, seed=3))
+    with pytest.raises(StoreError, match="cannot commit a checkpoint: out of space"):
+        store.commit("m", {"ram": blob})
+    monkeypatch.undo()
+    assert store.list() == [] and os.listdir(store.root / "tmp") == []
+
+
+def test_a_held_lock_makes_others_wait_then_fail_clearly(store: Store) -> None:
+    impatient = Store.open(store.root, lock_timeout=0.2)
+    with store.lock(operation="long-job"):
+        put(impatient, rand(CS))  # shared with shared: fine
+        with pytest.raises(StoreBusy, match=r"busy: long-job \(pid \d+ .*shared.*waited 0.2 s for gc"):
+            impatient.gc()
+    with store.lock(exclusive=True, operation="gc"), pytest.raises(StoreBusy, match="exclusively"):
+        put(impatient, rand(CS))
+    impatient.gc()
+
+
+# -- export and import --------------------------------------------------------------------------
+
+@pytest.fixture
+def exported(store: Store, tmp_path: Path) -> tuple[Path, list[CheckpointManifest], list[bytes]]:
+    datas = [rand(5 * CS, seed=i) + bytes(3 * CS) + rand(100, seed=i) for i in range(3)]
+    points = chain(store, datas)
+    export_checkpoint(store, points[-1].id, tmp_path / "cp.rewind")
+    return tmp_path / "cp.rewind", points, datas
+
+
+def test_export_and_import_round_trip(exported: tuple[Path, list[CheckpointManifest], list[bytes]],
+                                      tmp_path: Path) -> None:
+    path, points, datas = exported
+    target = Store.open(tmp_path / "target", create=True)  # another chunk size: blobs keep their own
+    imported = import_checkpoint(target, path)
+    assert imported == points[-1] and target.list() == [imported]
+    assert materialized(target, imported.blobs["ram"], tmp_path) == datas[-1]
+    assert materialized(target, target.get("~2", relative_to=imported).blobs["ram"], tmp_path) == datas[0]
+    assert target.check(read_data=True).ok
+    before = store_state(target)
+    with pytest.raises(CheckpointExists, match="already in this store"):
+        import_checkpoint(target, path)
+    assert store_state(target) == before
+
+
+@pytest.mark.parametrize("damage", ["cut-at-1/2", "cut-last-byte", "cut-after-magic", "flip-in-header",
+                                    "flip-in-manifest", "flip-in-chunk", "flip-in-checksum", "extra-byte",
+                                    "not-an-export"])
+def test_a_damaged_export_is_refused_and_adds_nothing(
+        exported: tuple[Path, list[CheckpointManifest], list[bytes]], tmp_path: Path, damage: str) -> None:
+    path, points, _ = exported
+    data = bytearray(path.read_bytes())
+    kind, _, where = damage.partition("-in-")
+    positions = {"header": 10, "manifest": 200, "chunk": len(data) - 1000, "checksum": len(data) - 5}
+    if kind == "flip":
+        data[positions[where]] ^= 0x01
+    elif damage == "cut-at-1/2":
+        data = data[:len(data) // 2]
+    elif damage == "cut-last-byte":
+        data = data[:-1]
+    elif damage == "cut-after-magic":
+        data = data[:8]
+    elif damage == "extra-byte":
+        data += b"\0"
+    else:
+        data = bytearray(b"PK\x03\x04 a zip file")
+    path.write_bytes(data)
+    target = Store.open(tmp_path / "target", create=True)
+    target.commit("m", {"ram": put(target, rand(CS, seed=42))})
+    before = store_state(target)
+    with pytest.raises(BadExport, match=re.escape(str(path))):
+        import_checkpoint(target, path)
+    assert store_state(target) == before
+
+
+# -- prune and gc ---------------------------------------------------------------------------------
+
+def test_prune_by_keep_last(store: Store) -> None:
+    a = [store.commit("a", {}) for _ in range(4)]
+    b = [store.commit("b", {}) for _ in range(2)]
+    assert store.prune(keep_last=2) == [a[1].id, a[0].id]
+    assert store.list() == [a[2], a[3], *b]
+    assert store.prune(keep_last=1, per_machine=False) == [b[0].id, a[3].id, a[2].id]
+    assert store.list() == [b[1]]
+    with pytest.raises(InvalidArgument, match="keep_last or keep_days"):
+        store.prune()
+
+
+def test_prune_by_keep_days(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 10 * 86400)
+    old = [store.commit("m", {}) for _ in range(2)]
+    monkeypatch.setattr(time, "time", lambda: now - 2 * 86400)
+    recent = store.commit("m", {})
+    monkeypatch.undo()
+    assert sorted(store.prune(keep_days=5)) == sorted(m.id for m in old)
+    assert store.list() == [recent]
+    assert store.prune(keep_days=1, keep_last=1) == []  # a checkpoint kept by any policy stays
+
+
+def test_gc_frees_what_nothing_uses_and_keeps_what_history_uses(store: Store, tmp_path: Path) -> None:
+    shared = rand(4 * CS, seed=1)
+    base = store.commit("m", {"ram": put(store, shared)})
+    child = store.commit("m", {"ram": put(store, shared + rand(2 * CS, seed=2))}, parent=base)
+    leaf = store.commit("other", {"ram": put(store, shared + rand(3 * CS, seed=3))})
+    leaf_only = leaf.hashes() - child.hashes()
+    leaf_bytes = sum((store.root / "chunks" / h[:2] / h).stat().st_size for h in leaf_only)
+    (store.root / "tmp" / "left-by-a-crash.tmp").write_bytes(b"x" * 100)
+    store.delete(leaf.id)
+    store.delete(base.id)  # still in child's history
+    report = store.gc()
+    assert report.chunks_removed == 3 and report.tmp_removed == 1
+    assert len(leaf_only) == 3 and report.bytes_freed == leaf_bytes + 100
+    assert chunk_files(store) == child.all_hashes()
+    assert materialized(store, store.get("~1", relative_to=child).blobs["ram"], tmp_path) == shared
+    store.delete(child.id)
+    assert store.gc().chunks_removed == 6 and chunk_files(store) == set()
+
+
+# -- opening -------------------------------------------------------------------------------------
+
+def test_open_refuses_missing_and_damaged_stores(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="there is no checkpoint store at"):
+        Store.open(tmp_path / "nothing")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="holds other files"):
+        Store.open(tmp_path / "busy", create=True)
+    with pytest.raises(InvalidArgument, match="chunk size"):
+        Store.open(tmp_path / "odd", create=True, chunk_size=1000)
+    store = Store.open(tmp_path / "s", create=True, chunk_size=8192)
+    assert Store.open(tmp_path / "s", create=True).chunk_size == 8192  # set once, at creation
+    (store.root / "config.json").write_text("{")
+    with pytest.raises(StoreError, match="is damaged: config.json is unreadable"):
+        Store.open(store.root)
+    (store.root / "config.json").write_text('{"format": 1, "chunk_size": 8192}')
+    (store.root / "chunks").rename(store.root / "lost")
+    with pytest.raises(StoreError, match="is damaged: chunks missing"):
+        Store.open(store.root)
+
