@@ -28,6 +28,11 @@ class Home:
         return self.root / "machines"
 
     @property
+    def store(self) -> Path:
+        """The default checkpoint store."""
+        return self.root / "store"
+
+    @property
     def runtime(self) -> Path:
         """Guest memory files. They must be on tmpfs: QEMU can only track writes to
         (background-snapshot) memory that is anonymous or shmem. REWIND_RUNTIME overrides."""

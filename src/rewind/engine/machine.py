@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
+from rewind.engine.checkpoint import HISTORY, Caches, commit_capture, state_of
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.qemu import (
@@ -40,10 +41,11 @@ from rewind.engine.qemu import (
     wait_exit,
 )
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.snapshot import SavedState
+from rewind.engine.snapshot import SavedState, capture
 from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template, template_state
 from rewind.errors import (
     AlreadyExists,
+    Busy,
     ImageError,
     InvalidArgument,
     MachineDied,
@@ -53,6 +55,7 @@ from rewind.errors import (
 )
 from rewind.home import Home
 from rewind.image import Image, find_image
+from rewind.store import CheckpointManifest, Store
 
 DEFAULT_MEMORY_MIB = 512
 DEFAULT_CPUS = 2
@@ -118,6 +121,7 @@ class MachineRecord:
     disk_size_mib: int = 0
     disks: list[str] = field(default_factory=list)  # the disk's layers, base first, writable top last
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
+    extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
 
 
 @dataclass(frozen=True)
@@ -284,14 +288,15 @@ class Machine:
             self.record.pid = None
             self._save()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, flush: bool = True) -> None:
         r = self.record
         assert r.pid is not None
-        try:
-            with AgentClient(self.path / agent_socket(0), connect_timeout=5) as client:
-                client.exec(["sync"], timeout=30)
-        except RewindError:
-            pass  # a guest whose agent is gone cannot flush; its disk is as the guest left it
+        if flush:
+            try:
+                with AgentClient(self.path / agent_socket(0), connect_timeout=5) as client:
+                    client.exec(["sync"], timeout=30)
+            except RewindError:
+                pass  # a guest whose agent is gone cannot flush; its disk is as the guest left it
         try:
             with self.monitor() as mon:
                 mon.quit()
@@ -303,6 +308,77 @@ class Machine:
     def _cleanup_runtime(self) -> None:
         for name in (QMP_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
+
+    # ---- checkpoints ----
+
+    def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
+                   history: int = HISTORY) -> CheckpointManifest:
+        """Save memory, devices and disk as of one instant into `store`; the machine runs on."""
+        try:
+            with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
+                return self._checkpoint(store, name, labels, history)
+        except Busy:
+            raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
+
+    def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
+                    history: int) -> CheckpointManifest:
+        home = self.engine.home
+        caches = Caches.of(home.root, home.runtime)
+        caches.ram.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(4)
+        with self.agent() as agent, self.monitor() as mon:
+            r = self.record
+            top = Path(r.disks[-1])
+            new_top = self.path / f"disk-{token}.qcow2"
+            cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1), top_file=top,
+                          new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
+                          ram_out=caches.ram / f".capture-{token}.ram",
+                          devstate_out=self.path / f".devstate-{token}",
+                          socket_path=home.runtime / f"mig-{token}.sock")
+            r.disks.append(str(new_top))  # the running QEMU writes there from now on
+            self._save()
+            meta = {"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
+                    "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
+                    "mac": r.mac, "pause_s": cap.pause_s, "capture_s": cap.seconds}
+            manifest, state = commit_capture(store, caches, cap, [Path(d) for d in r.disks[:-1]],
+                                             machine=r.name, parent=r.parent, name=name, labels=labels,
+                                             meta=meta, history=history)
+            # The frozen layer now lives in the cache under its digest; follow it there.
+            frozen = state_of(store, caches, manifest).disks[-1]
+            if not frozen.exists():
+                os.replace(top, frozen)
+            r.disks[-2] = str(frozen)
+            r.parent = manifest.id
+            self._save()
+        return manifest
+
+    def restore(self, store: Store, ref: str) -> CheckpointManifest:
+        """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
+        same name, identity and handle. The state it leaves is checkpointed first."""
+        target = store.get(ref, relative_to=self.record.parent) if ref.startswith("~") else store.get(ref)
+        shape = (target.meta.get("memory_mib"), target.meta.get("cpus"))
+        if shape != (self.record.memory_mib, self.record.cpus):
+            raise InvalidArgument(f"checkpoint {target.id[:12]} is of a {target.meta.get('memory_mib')} MiB, "
+                                  f"{target.meta.get('cpus')}-vCPU machine; restore it as a new machine")
+        if self.status() == "running":
+            self.checkpoint(store, labels={"auto": "before-restore"})
+        state = state_of(store, Caches.of(self.engine.home.root, self.engine.home.runtime), target)
+        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            if self.status() == "running":
+                self._shutdown(flush=False)
+            self._cleanup_runtime()
+            r = self.record
+            r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
+            self._start_from_state(state)
+            try:
+                self._apply_identity(connect_timeout=30)
+            except BaseException:
+                kill(r.pid, r.uuid)
+                raise
+            r.state, r.parent = "running", target.id
+            self._save()
+        return target
 
     def delete(self) -> None:
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
@@ -374,7 +450,6 @@ class Engine:
                cpus: int = DEFAULT_CPUS, disk_mib: int = 0, labels: dict[str, str] | None = None,
                image: str | None = None, report: Report = lambda _: None) -> Machine:
         """Create and start a machine from the booted template. Nothing is left behind on failure."""
-        name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
         if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
             raise InvalidArgument(f"memory must be at least {MIN_MEMORY_MIB} MiB (got {memory_mib})")
         if not isinstance(cpus, int) or not 1 <= cpus <= MAX_CPUS:
@@ -384,7 +459,59 @@ class Engine:
         base_mib = chosen.disk_size_mib
         if not isinstance(disk_mib, int) or (disk_mib and disk_mib < base_mib):
             raise InvalidArgument(f"disk must be at least the image's {base_mib} MiB (got {disk_mib})")
+        if name is not None:
+            validate_name(name)
         template = self.template(memory_mib, cpus, chosen, report)
+        machine = self._new(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
+                            accel=template.accel, disk_size_mib=base_mib, parent=None,
+                            state=template_state(template, self.home.runtime, chosen))
+        if disk_mib > base_mib:
+            with self._undo_on_failure(machine):
+                machine._grow_disk(disk_mib)
+                machine.record.disk_size_mib = disk_mib
+                machine._save()
+        return machine
+
+    def create_from(self, store: Store, ref: str, name: str | None = None,
+                    labels: dict[str, str] | None = None, at: str | None = None) -> Machine:
+        """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
+        it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
+        if name is not None:
+            validate_name(name)
+        manifest = store.get(ref)
+        if at is not None:
+            manifest = store.get(at, relative_to=manifest)
+        meta = manifest.meta
+        state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
+        return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
+                         image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
+                         parent=manifest.id, state=state,
+                         extra={"from_checkpoint": manifest.id, "from_machine": manifest.machine})
+
+    def fork(self, source: Machine, store: Store, name: str | None = None,
+             labels: dict[str, str] | None = None) -> Machine:
+        """A live copy of `source` from this moment (it pauses only to be captured)."""
+        manifest = source.checkpoint(store, labels={"auto": "fork"})
+        child = self.create_from(store, manifest.id, name=name, labels=labels)
+        child.record.extra["forked_from"] = source.name
+        child._save()
+        return child
+
+    @contextmanager
+    def _undo_on_failure(self, machine: Machine) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            if machine.record.pid is not None:
+                kill(machine.record.pid, machine.record.uuid)
+            shutil.rmtree(machine.path, ignore_errors=True)
+            raise
+
+    def _new(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str], image_id: str,
+             accel: str, disk_size_mib: int, parent: str | None, state: SavedState,
+             extra: dict | None = None) -> Machine:
+        """Register a machine and run `state` in it, with a new identity."""
+        name = name if name is not None else f"m-{secrets.token_hex(4)}"
         self.home.machines.mkdir(parents=True, exist_ok=True)
         path = self.home.machines / name
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"):
@@ -394,23 +521,15 @@ class Engine:
                 raise AlreadyExists(f"a machine named {name!r} already exists") from None
         record = MachineRecord(
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
-            image_id=chosen.id, hostname=_hostname(name), machine_id=uuid.uuid4().hex,
-            mac=_new_mac(), vmgenid=str(uuid.uuid4()), created=time.time(), accel=template.accel,
-            disk_size_mib=base_mib)
+            image_id=image_id, hostname=_hostname(name), machine_id=uuid.uuid4().hex, mac=_new_mac(),
+            vmgenid=str(uuid.uuid4()), created=time.time(), accel=accel, disk_size_mib=disk_size_mib,
+            parent=parent, extra=extra or {})
         machine = Machine(self, path, record)
-        try:
-            with file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
-                machine._save()
-                machine._start_from_state(template_state(template, self.home.runtime, chosen))
-                machine._apply_identity(connect_timeout=30)
-                if disk_mib > base_mib:
-                    machine._grow_disk(disk_mib)
-                    record.disk_size_mib = disk_mib
-                record.state = "running"
-                machine._save()
-        except BaseException:
-            if record.pid is not None:
-                kill(record.pid, record.uuid)
-            shutil.rmtree(path, ignore_errors=True)
-            raise
+        with self._undo_on_failure(machine), \
+                file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
+            machine._save()
+            machine._start_from_state(state)
+            machine._apply_identity(connect_timeout=30)
+            record.state = "running"
+            machine._save()
         return machine

@@ -392,6 +392,10 @@ class Store:
             os.close(fd)
             os.rename(tmp, dest)
 
+    def has_chunks(self, blob: BlobIndex) -> bool:
+        """True if every chunk `blob` needs is in the store (its bytes are not checked)."""
+        return all(self._chunk_path(h).exists() for h in blob.hashes())
+
     def _chunk_path(self, h: str) -> Path:
         return self.root / "chunks" / h[:2] / h
 
