@@ -21,10 +21,11 @@ from rewind.errors import (
     RewindError,
 )
 from rewind.home import Home
-from rewind.sandbox import Files, Sandbox
+from rewind.sandbox import Checkpoint, Files, Sandbox
 
 __all__ = [
-    "AgentError", "AgentGone", "AlreadyExists", "Busy", "CommandFailed", "ExecResult", "Files", "Home",
+    "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "ExecResult", "Files",
+    "Home",
     "ImageError", "InvalidArgument", "MachineDied", "MachineNotRunning", "NotFound", "RewindError",
     "Sandbox",
 ]

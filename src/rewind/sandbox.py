@@ -11,14 +11,45 @@ import io
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.engine.agent import ExecResult
+from rewind.engine.checkpoint import HISTORY
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.home import Home
+from rewind.store import CheckpointManifest, HistoryEntry, Store
 
-__all__ = ["ExecResult", "Files", "Sandbox"]
+__all__ = ["Checkpoint", "ExecResult", "Files", "Sandbox"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A saved point of a machine. `ref` is how a history listing names it (`~0`, `~1`, ...)."""
+
+    id: str
+    name: str | None
+    machine: str
+    parent: str | None
+    created: float
+    labels: dict[str, str]
+    own_bytes: int  # what this point added to the store that its parent did not have
+    ref: str = "~0"
+
+    @classmethod
+    def of(cls, entry: HistoryEntry, ref: str = "~0") -> Checkpoint:
+        return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
+                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref)
+
+
+def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
+    """A checkpoint and the points before it, newest first, named ~0, ~1, ..."""
+    return [Checkpoint.of(e, f"~{i}") for i, e in enumerate([manifest.entry(), *manifest.history])]
+
+
+def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
+    return Store.open(store or home.store, create=True)
 
 Command = str | list[str]
 
@@ -46,26 +77,43 @@ class Sandbox:
     Used as a context manager, the machine is deleted when the block ends.
     """
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, store: str | os.PathLike[str] | None = None) -> None:
         self._machine = machine
+        self._store_path = store
         self.files = Files(machine)
+
+    @property
+    def _store(self) -> Store:
+        return open_store(self._machine.engine.home, self._store_path)
 
     # ---- finding and creating ----
 
     @classmethod
     def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
+               from_checkpoint: str | None = None, at: str | None = None,
                home: Home | str | os.PathLike[str] | None = None,
+               store: str | os.PathLike[str] | None = None,
                progress: Callable[[str], None] | None = None) -> Sandbox:
         """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size);
-        `image` names an imported image (`rewind image import`), default the built one."""
-        machine = _engine(home).create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
-                                       image=image, report=progress or (lambda _: None))
-        return cls(machine)
+        `image` names an imported image (`rewind image import`), default the built one.
+
+        With `from_checkpoint` (a checkpoint id, id prefix or name; `at="~2"` counts back
+        from it), the machine runs from that point instead, sharing its memory and disk
+        read-only; memory and vCPUs are then the checkpoint's."""
+        engine = _engine(home)
+        if from_checkpoint is not None:
+            machine = engine.create_from(open_store(engine.home, store), from_checkpoint, name=name,
+                                         labels=labels, at=at)
+        else:
+            machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
+                                    image=image, report=progress or (lambda _: None))
+        return cls(machine, store)
 
     @classmethod
-    def get(cls, name: str, *, home: Home | str | os.PathLike[str] | None = None) -> Sandbox:
-        return cls(_engine(home).get(name))
+    def get(cls, name: str, *, home: Home | str | os.PathLike[str] | None = None,
+            store: str | os.PathLike[str] | None = None) -> Sandbox:
+        return cls(_engine(home).get(name), store)
 
     @classmethod
     def list(cls, labels: dict[str, str] | None = None, *,
@@ -129,6 +177,31 @@ class Sandbox:
             why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
             raise CommandFailed(f"command {why}: {argv!r}", result)
         return result
+
+    # ---- checkpoints ----
+
+    def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
+                   history: int = HISTORY) -> Checkpoint:
+        """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
+        records as its parent the point this machine was last saved to or restored from."""
+        return Checkpoint.of(self._machine.checkpoint(self._store, name=name, labels=labels,
+                                                      history=history))
+
+    def history(self) -> list[Checkpoint]:
+        """This machine's points, newest first: its last point as ~0, then its ancestors."""
+        self._machine.reload()
+        parent = self._machine.record.parent
+        return history_of(self._store.get(parent)) if parent else []
+
+    def restore(self, ref: str) -> Checkpoint:
+        """Put this machine back to a point (`~N`, an id prefix or a name): processes, memory
+        and disk; same name and identity. The state it leaves is saved first."""
+        return Checkpoint.of(self._machine.restore(self._store, ref))
+
+    def fork(self, name: str | None = None, labels: dict[str, str] | None = None) -> Sandbox:
+        """A live copy of this machine from this moment, with its own name and identity."""
+        engine = self._machine.engine
+        return Sandbox(engine.fork(self._machine, self._store, name=name, labels=labels), self._store_path)
 
     # ---- lifecycle ----
 

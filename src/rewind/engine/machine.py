@@ -355,6 +355,8 @@ class Machine:
     def restore(self, store: Store, ref: str) -> CheckpointManifest:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
         same name, identity and handle. The state it leaves is checkpointed first."""
+        if ref.startswith("~") and self.record.parent is None:
+            raise NotFound(f"machine {self.name!r} has no checkpoint yet to count back from")
         target = store.get(ref, relative_to=self.record.parent) if ref.startswith("~") else store.get(ref)
         shape = (target.meta.get("memory_mib"), target.meta.get("cpus"))
         if shape != (self.record.memory_mib, self.record.cpus):

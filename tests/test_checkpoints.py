@@ -1,0 +1,181 @@
+"""Checkpoints of real guests: consistency of memory and disk, restore in place, new machines
+from a point, forks, history that survives deletions, corruption refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rewind import Busy, Home, MachineNotRunning, Sandbox
+from rewind.store import CorruptChunk, Store
+
+# A process that keeps a count in memory and writes it to a file at each step, checking
+# first that the file still holds what it last wrote. Memory and disk captured at different
+# moments would break that: the restored process would find a file from another moment.
+COUNTER = r"""
+import os, time
+count = 0
+path = "/root/count"
+while True:
+    if os.path.exists(path):
+        on_disk = int(open(path).read() or 0)
+        if on_disk != count:
+            open("/root/mismatch", "a").write(f"memory {count} file {on_disk}\n")
+    count += 1
+    with open(path + ".tmp", "w") as f:
+        f.write(str(count))
+    os.replace(path + ".tmp", path)
+    time.sleep(0.005)
+"""
+
+# A server with state only in memory: each request returns one more than the last.
+SERVER = r"""
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7000)); s.listen()
+hits = 0
+while True:
+    c, _ = s.accept(); hits += 1; c.sendall(str(hits).encode()); c.close()
+"""
+ASK = "python3 -c 'import socket; s=socket.create_connection((\"127.0.0.1\", 7000)); print(s.recv(9).decode())'"
+
+
+def _count(sbx: Sandbox) -> int:
+    return int(sbx.files.read_text("/root/count"))
+
+
+def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
+    sbx = Sandbox.create("worker", home=home)
+    sbx.files.write("/root/counter.py", COUNTER)
+    sbx.files.write("/root/server.py", SERVER)
+    sbx.exec("nohup python3 /root/counter.py >/dev/null 2>&1 & nohup python3 /root/server.py >/dev/null 2>&1 &")
+    time.sleep(3)
+    assert [sbx.exec(ASK).stdout.strip() for _ in range(3)] == ["1", "2", "3"]
+    sbx.files.write("/root/project/keep.txt", "precious\n")
+    point = sbx.checkpoint(name="before-damage", labels={"step": "3"})
+    at_checkpoint = _count(sbx)
+
+    assert sbx.exec(ASK).stdout.strip() == "4"
+    sbx.exec("rm -rf /root/project /usr/share/doc")
+    time.sleep(1)
+    assert _count(sbx) > at_checkpoint
+
+    identity = sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout
+    pid = sbx.info().pid
+    restored = sbx.restore("before-damage")
+    assert restored.id == point.id
+    assert sbx.status == "running" and sbx.name == "worker" and sbx.info().pid != pid
+    assert sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout == identity
+    assert sbx.files.read_text("/root/project/keep.txt") == "precious\n"
+    assert sbx.exec("ls /usr/share/doc | wc -l").stdout.strip() != "0"
+    # The server kept its in-memory count from the checkpoint (3), not from later (4).
+    assert sbx.exec(ASK).stdout.strip() == "4"
+    # The counter runs on from about where it was, and never saw a file from another moment.
+    time.sleep(2)
+    after = _count(sbx)
+    assert at_checkpoint - 50 < after, after
+    assert sbx.exec("cat /root/mismatch 2>/dev/null").stdout == ""
+    assert abs(float(sbx.exec("date +%s.%N").stdout) - time.time()) < 5, "clock not set to the present"
+
+
+def test_history_branches_and_new_machines_from_points(home: Home) -> None:
+    sbx = Sandbox.create("hist", home=home)
+    ids = []
+    for step in range(3):
+        sbx.files.write("/root/step", str(step))
+        ids.append(sbx.checkpoint(name=f"s{step}").id)
+    assert [c.ref for c in sbx.history()] == ["~0", "~1", "~2"]
+    assert [c.id for c in sbx.history()] == ids[::-1]
+    assert sbx.history()[0].parent == ids[1]
+
+    # Going back and saving again branches: the new point's parent is s0, not s2.
+    sbx.restore("~2")
+    assert sbx.files.read_text("/root/step") == "0"
+    sbx.files.write("/root/step", "0b")
+    branch = sbx.checkpoint(name="s0b")
+    assert branch.parent == ids[0]
+    assert [c.name for c in sbx.history()] == ["s0b", "s0"]
+
+    # A new machine from a point shares it but gets its own identity.
+    child = Sandbox.create("from-s2", from_checkpoint="s2", at="~1", home=home)
+    assert child.files.read_text("/root/step") == "1"
+    assert child.exec("hostname").stdout.strip() == "from-s2"
+    assert child.exec("cat /etc/machine-id").stdout != sbx.exec("cat /etc/machine-id").stdout
+
+
+def test_deleting_middle_points_keeps_the_newest_whole(home: Home) -> None:
+    sbx = Sandbox.create("chain", home=home)
+    for step in range(4):
+        sbx.files.write("/root/step", str(step))
+        sbx.checkpoint(name=f"c{step}")
+    store = Store.open(home.store)
+    store.delete("c1")
+    store.delete("c2")
+    store.gc()
+    assert store.check(read_data=True).ok
+    again = Sandbox.create("again", from_checkpoint="c3", at="~2", home=home)
+    assert again.files.read_text("/root/step") == "1"
+
+
+def test_fork_runs_side_by_side_with_its_own_identity(home: Home) -> None:
+    src = Sandbox.create("src", home=home)
+    src.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    src.files.write("/root/shared", "before fork")
+    child = src.fork("kid", labels={"role": "try"})
+    child.files.write("/root/shared", "child wrote")
+    src.files.write("/root/other", "source wrote")
+    assert src.files.read_text("/root/shared") == "before fork"
+    assert child.exec("cat /root/other 2>/dev/null || echo absent").stdout.strip() == "absent"
+    assert child.exec("pgrep -x sleep").exit_code == 0, "the fork lost the source's processes"
+    assert child.exec("hostname").stdout.strip() == "kid" and src.exec("hostname").stdout.strip() == "src"
+    assert child.exec("cat /sys/class/net/eth0/address").stdout != src.exec(
+        "cat /sys/class/net/eth0/address").stdout
+    assert child.labels == {"role": "try"}
+    assert child.info().status == "running"
+    assert child._machine.record.extra["forked_from"] == "src"
+
+
+def test_a_corrupt_chunk_is_found_and_refused(home: Home) -> None:
+    sbx = Sandbox.create("corrupt", home=home)
+    point = sbx.checkpoint(name="p")
+    store = Store.open(home.store)
+    manifest = store.get(point.id)
+    victim = next(h for h in manifest.blobs["devstate"].chunks if h)
+    path = home.store / "chunks" / victim[:2] / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = store.check(read_data=True)
+    assert not report.ok and any(victim in p for p in report.problems)
+    for cached in (home.root / "cache" / "devstate").iterdir():
+        cached.unlink()  # make the restore read from the store
+    with pytest.raises(CorruptChunk):
+        sbx.restore("p")
+    assert sbx.status == "running" and sbx.exec("true").ok, "a refused restore harmed the machine"
+
+
+def test_checkpoint_errors(home: Home) -> None:
+    sbx = Sandbox.create("errs", home=home)
+    with pytest.raises(LookupError):
+        sbx.restore("nosuchpoint")
+    with pytest.raises(LookupError):
+        sbx.restore("~5")
+    outcome: dict[str, object] = {}
+
+    def second() -> None:
+        time.sleep(0.3)
+        try:
+            sbx.checkpoint()
+        except Busy as e:
+            outcome["busy"] = str(e)
+
+    t = threading.Thread(target=second)
+    t.start()
+    sbx.checkpoint()
+    t.join()
+    assert "already running" in str(outcome.get("busy"))
+    sbx.stop()
+    with pytest.raises(MachineNotRunning):
+        sbx.checkpoint()
