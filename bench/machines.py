@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -46,18 +47,23 @@ def main() -> None:
         engine = Engine(home)
         engine.template(512, 2)  # saved once; not part of a start
         start_to_exec, exec_true, memory = [], [], []
-        for i in range(args.rounds):
-            t0 = time.perf_counter()
-            sbx = Sandbox.create(f"bench-{i}", home=home)
-            sbx.exec(["true"])
-            start_to_exec.append(time.perf_counter() - t0)
-            for _ in range(20):
-                t = time.perf_counter()
+        try:
+            for i in range(args.rounds):
+                t0 = time.perf_counter()
+                sbx = Sandbox.create(f"bench-{i}", home=home)
                 sbx.exec(["true"])
-                exec_true.append(time.perf_counter() - t)
-            time.sleep(5)  # let the guest settle into idle
-            memory.append(host_memory_kib(sbx.info().pid))
-            sbx.delete()
+                start_to_exec.append(time.perf_counter() - t0)
+                for _ in range(20):
+                    t = time.perf_counter()
+                    sbx.exec(["true"])
+                    exec_true.append(time.perf_counter() - t)
+                time.sleep(5)  # let the guest settle into idle
+                memory.append(host_memory_kib(sbx.info().pid))
+                sbx.delete()
+        finally:
+            for left in Sandbox.list(home=home):
+                left.delete()
+            shutil.rmtree(home.runtime, ignore_errors=True)
     qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "accel": engine.accel().accel,

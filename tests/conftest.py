@@ -9,6 +9,7 @@ a test starts is deleted (its QEMU ended by PID) when the test ends.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,8 +27,7 @@ from rewind.image import build_image
 def images_dir() -> Path:
     path = Path(os.environ.get("REWIND_IMAGES") or Home.from_env().root / "images")
     build_image(path, report=lambda step: print(f"image: {step}", file=sys.stderr))
-    engine = Engine(Home(root=path.parent / "template-home", images=path))
-    engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
+    Engine(Home(root=path.parent / "template-home", images=path)).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
     return path
 
 
@@ -37,6 +37,7 @@ def _cleanup(home: Home) -> None:
         pid, tag = machine.record.pid, machine.record.uuid
         machine.delete()
         assert pid is None or not process_alive(pid, tag), f"QEMU {pid} outlived its machine"
+    shutil.rmtree(home.runtime, ignore_errors=True)  # memory files on tmpfs
 
 
 @pytest.fixture

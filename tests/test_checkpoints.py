@@ -39,7 +39,8 @@ hits = 0
 while True:
     c, _ = s.accept(); hits += 1; c.sendall(str(hits).encode()); c.close()
 """
-ASK = "python3 -c 'import socket; s=socket.create_connection((\"127.0.0.1\", 7000)); print(s.recv(9).decode())'"
+ASK = ("python3 -c 'import socket; "
+       "s = socket.create_connection((\"127.0.0.1\", 7000)); print(s.recv(9).decode())'")
 
 
 def _count(sbx: Sandbox) -> int:
@@ -50,7 +51,8 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     sbx = Sandbox.create("worker", home=home)
     sbx.files.write("/root/counter.py", COUNTER)
     sbx.files.write("/root/server.py", SERVER)
-    sbx.exec("nohup python3 /root/counter.py >/dev/null 2>&1 & nohup python3 /root/server.py >/dev/null 2>&1 &")
+    for script in ("counter", "server"):
+        sbx.exec(f"nohup python3 /root/{script}.py >/dev/null 2>&1 &")
     time.sleep(3)
     assert [sbx.exec(ASK).stdout.strip() for _ in range(3)] == ["1", "2", "3"]
     sbx.files.write("/root/project/keep.txt", "precious\n")

@@ -95,6 +95,18 @@ def commit_capture(store: Store, caches: Caches, capture: Capture, disks: list[P
     return manifest, SavedState(ram=ram, devstate=devstate, disks=disks)
 
 
+RAM_CACHE_KEEP = 4  # memory images kept on tmpfs beyond those machines run on
+
+
+def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
+    """Drop the oldest cached memory images: they take host memory, and the store can unpack
+    them again. Images that machines run on are kept (deleting them would free nothing)."""
+    images = sorted((p for p in caches.ram.glob("*.ram") if p not in in_use),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in images[RAM_CACHE_KEEP:]:
+        old.unlink(missing_ok=True)
+
+
 def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> SavedState:
     """The files to run a checkpoint, unpacked from the store where not cached."""
     def cached(blob: BlobIndex, dest: Path) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
-from rewind.engine.checkpoint import HISTORY, Caches, commit_capture, state_of
+from rewind.engine.checkpoint import HISTORY, Caches, commit_capture, state_of, trim_ram_cache
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.qemu import (
@@ -122,6 +122,7 @@ class MachineRecord:
     disks: list[str] = field(default_factory=list)  # the disk's layers, base first, writable top last
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
     extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
+    ram: str | None = None  # the memory file its QEMU maps
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class Machine:
         device state loaded, its disk layers below a new top layer of this machine's."""
         self.record.disks = [str(d) for d in state.disks]
         self.record.disks.append(str(self._new_top()))
+        self.record.ram = str(state.ram)
         self.record.pid = launch(self._spec(state.ram, incoming=True), self.path)
         with self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
@@ -350,6 +352,7 @@ class Machine:
             r.disks[-2] = str(frozen)
             r.parent = manifest.id
             self._save()
+        trim_ram_cache(caches, {Path(m.record.ram) for m in self.engine.list() if m.record.ram})
         return manifest
 
     def restore(self, store: Store, ref: str) -> CheckpointManifest:
