@@ -26,9 +26,10 @@ from rich.table import Table
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
-from rewind.errors import ImageError, InvalidArgument, RewindError
+from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.image import build_image, find_image, import_image, list_images, recipe_id
-from rewind.sandbox import Sandbox
+from rewind.sandbox import Checkpoint, Sandbox, history_of, open_store
+from rewind.store import CheckpointManifest, Store, export_checkpoint, import_checkpoint
 
 err_console = Console(stderr=True)
 _SIZE = re.compile(r"(\d+)\s*([MG]i?B?)?", re.IGNORECASE)
@@ -208,6 +209,244 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
         Sandbox.get(name).delete()
     if as_json:
         emit_json({"removed": list(names)})
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+
+store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
+                            help="Checkpoint store (default: $REWIND_HOME/store).")
+
+
+def _store(store_dir: str | None) -> Store:
+    return open_store(Engine().home, store_dir)
+
+
+def _point(store: Store, source: str) -> CheckpointManifest:
+    """A checkpoint file (-o), a machine (its last point) or a checkpoint reference."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            return CheckpointManifest.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"{source} is not a checkpoint file ({e})") from None
+    try:
+        machine = Engine().get(source)
+    except (InvalidArgument, NotFound):
+        return store.get(source)
+    if machine.record.parent is None:
+        raise NotFound(f"machine {source!r} has no checkpoint yet")
+    return store.get(machine.record.parent)
+
+
+def _checkpoint_json(c: Checkpoint) -> dict:
+    return dataclasses.asdict(c)
+
+
+def _print_points(points: list[Checkpoint]) -> None:
+    table = Table(box=None)
+    for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "LABELS"):
+        table.add_column(column)
+    for c in points:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
+        table.add_row(c.ref, c.id[:12], c.name or "", created, f"{c.own_bytes / (1 << 20):.1f} MiB",
+                      ",".join(f"{k}={v}" for k, v in c.labels.items()))
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--name", "point_name", default=None, help="A name for the checkpoint.")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Also write the checkpoint (its index and history) to this file.")
+@click.option("--history", default=32, show_default=True, type=click.IntRange(min=0),
+              help="Earlier points kept inside the checkpoint.")
+@store_option
+@json_option
+def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], output: str | None, history: int,
+               store_dir: str | None, as_json: bool) -> None:
+    """Save machine NAME whole (memory, processes, disk) as of now; it runs on."""
+    started = time.monotonic()
+    sbx = Sandbox.get(name, store=store_dir)
+    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), history=history)
+    manifest = _store(store_dir).get(point.id)
+    if output:
+        tmp = Path(output).with_name(f".{Path(output).name}.tmp")
+        tmp.write_text(json.dumps(manifest.to_json()))
+        os.replace(tmp, output)
+    data = {**_checkpoint_json(point), "seconds": round(time.monotonic() - started, 3),
+            "pause_ms": round(manifest.meta["pause_s"] * 1000, 1)}
+    if as_json:
+        emit_json(data)
+    else:
+        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {data['pause_ms']} ms, "
+                   f"{point.own_bytes / (1 << 20):.1f} MiB of new data, {data['seconds']} s")
+
+
+@cli.command(name="log")
+@click.argument("source")
+@store_option
+@json_option
+def log_(source: str, store_dir: str | None, as_json: bool) -> None:
+    """History of a machine or a checkpoint file, newest first (~0, ~1, ...)."""
+    points = history_of(_point(_store(store_dir), source))
+    if as_json:
+        emit_json([_checkpoint_json(c) for c in points])
+    else:
+        _print_points(points)
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("ref")
+@store_option
+@json_option
+def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
+    """Put machine NAME back to checkpoint REF (~N, an id prefix or a name), in place."""
+    point = Sandbox.get(name, store=store_dir).restore(ref)
+    if as_json:
+        emit_json(_checkpoint_json(point))
+    else:
+        click.echo(f"{name} is back at {point.id[:12]}{f' ({point.name})' if point.name else ''}")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--from", "source", required=True, help="A checkpoint file, a machine, or a checkpoint.")
+@click.option("--at", default=None, help="Count back from it, such as ~2.")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
+@store_option
+@json_option
+def create(name: str, source: str, at: str | None, labels: tuple[str, ...], store_dir: str | None,
+           as_json: bool) -> None:
+    """Start a new machine NAME from a checkpoint."""
+    store = _store(store_dir)
+    machine = Engine().create_from(store, _point(store, source), name=name,
+                                   labels=parse_pairs(labels, "--label"), at=at)
+    if as_json:
+        emit_json(dataclasses.asdict(machine.info()))
+    else:
+        click.echo(f"{name} is running from checkpoint {machine.record.parent[:12]}")
+
+
+@cli.command()
+@click.argument("source")
+@click.argument("name")
+@click.option("--count", default=1, show_default=True, type=click.IntRange(min=1, max=64),
+              help="How many copies (named NAME-1, NAME-2, ... when more than one).")
+@store_option
+@json_option
+def branch(source: str, name: str, count: int, store_dir: str | None, as_json: bool) -> None:
+    """Copy running machine SOURCE as NAME: it pauses only briefly; each copy runs on its own."""
+    store = _store(store_dir)
+    engine = Engine()
+    src = engine.get(source)
+    point = src.checkpoint(store, labels={"auto": "branch"})
+    names = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
+    made = []
+    for child_name in names:
+        child = engine.create_from(store, point, name=child_name)
+        child.record.extra["forked_from"] = source
+        child._save()
+        made.append(child.info())
+    if as_json:
+        emit_json([dataclasses.asdict(i) for i in made])
+    else:
+        for i in made:
+            click.echo(f"{i.name} is running, branched from {source}")
+
+
+@cli.command()
+@store_option
+@json_option
+def checkpoints(store_dir: str | None, as_json: bool) -> None:
+    """Every checkpoint in the store, oldest first."""
+    points = [Checkpoint.of(m, ref="") for m in _store(store_dir).list()]
+    if as_json:
+        emit_json([_checkpoint_json(c) for c in points])
+    else:
+        _print_points(points)
+
+
+@cli.command()
+@click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Keep this many per machine.")
+@click.option("--keep-days", type=click.FloatRange(min=0), default=None, help="Keep younger points.")
+@store_option
+@json_option
+def prune(keep_last: int | None, keep_days: float | None, store_dir: str | None, as_json: bool) -> None:
+    """Drop checkpoints past the limits (then `rewind gc` frees their data)."""
+    if keep_last is None and keep_days is None:
+        raise InvalidArgument("say what to keep: --keep-last N and/or --keep-days D")
+    removed = _store(store_dir).prune(keep_last=keep_last, keep_days=keep_days)
+    if as_json:
+        emit_json({"removed": removed})
+    else:
+        click.echo(f"removed {len(removed)} checkpoint(s)")
+
+
+@cli.command()
+@store_option
+@json_option
+def gc(store_dir: str | None, as_json: bool) -> None:
+    """Remove data no checkpoint references."""
+    report = _store(store_dir).gc()
+    if as_json:
+        emit_json(dataclasses.asdict(report))
+    else:
+        freed = report.bytes_freed / (1 << 20)
+        click.echo(f"removed {report.chunks_removed} chunk(s), freed {freed:.1f} MiB")
+
+
+@cli.group(name="store")
+def store_group() -> None:
+    """The checkpoint store."""
+
+
+@store_group.command(name="check")
+@click.option("--read-data", is_flag=True, help="Also read every chunk and verify its hash.")
+@store_option
+@json_option
+def store_check(read_data: bool, store_dir: str | None, as_json: bool) -> None:
+    """Verify every checkpoint's index (and with --read-data, every chunk)."""
+    report = _store(store_dir).check(read_data=read_data)
+    if as_json:
+        emit_json({**dataclasses.asdict(report), "ok": report.ok})
+    else:
+        for problem in report.problems:
+            click.echo(f"problem: {problem}")
+        click.echo(f"{'ok' if report.ok else 'DAMAGED'}: {report.checkpoints} checkpoint(s), "
+                   f"{report.chunks} chunk(s) checked")
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command(name="export")
+@click.argument("ref")
+@click.argument("file", type=click.Path(dir_okay=False))
+@store_option
+@json_option
+def export_(ref: str, file: str, store_dir: str | None, as_json: bool) -> None:
+    """Write checkpoint REF (a checkpoint or a machine's last point) to one portable FILE."""
+    store = _store(store_dir)
+    manifest = export_checkpoint(store, _point(store, ref), file)
+    if as_json:
+        emit_json({"id": manifest.id, "file": file, "bytes": Path(file).stat().st_size})
+    else:
+        click.echo(f"exported {manifest.id[:12]} to {file}")
+
+
+@cli.command(name="import")
+@click.argument("file", type=click.Path(dir_okay=False, exists=True))
+@store_option
+@json_option
+def import_(file: str, store_dir: str | None, as_json: bool) -> None:
+    """Add a checkpoint exported by `rewind export` (checksum verified first)."""
+    manifest = import_checkpoint(_store(store_dir), file)
+    if as_json:
+        emit_json({"id": manifest.id, "name": manifest.name})
+    else:
+        short = manifest.id[:12]
+        click.echo(f"imported {short}; start it with `rewind create NAME --from {short}`")
 
 
 @cli.group()

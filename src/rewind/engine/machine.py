@@ -477,13 +477,13 @@ class Engine:
                 machine._save()
         return machine
 
-    def create_from(self, store: Store, ref: str, name: str | None = None,
+    def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,
                     labels: dict[str, str] | None = None, at: str | None = None) -> Machine:
         """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
             validate_name(name)
-        manifest = store.get(ref)
+        manifest = ref if isinstance(ref, CheckpointManifest) else store.get(ref)
         if at is not None:
             manifest = store.get(at, relative_to=manifest)
         meta = manifest.meta
