@@ -3,6 +3,9 @@ from a point, forks, history that survives deletions, corruption refused."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -181,3 +184,26 @@ def test_checkpoint_errors(home: Home) -> None:
     sbx.stop()
     with pytest.raises(MachineNotRunning):
         sbx.checkpoint()
+
+
+def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
+    """Kill `rewind checkpoint` at several moments: no half checkpoint is visible, the store
+    passes its check, the machine runs on, and the next checkpoint works."""
+    sbx = Sandbox.create("killme", home=home)
+    sbx.checkpoint(name="base")
+    for delay in (0.3, 0.8, 1.3):
+        proc = subprocess.Popen([sys.executable, "-m", "rewind.cli", "checkpoint", "killme"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        store = Store.open(home.store)
+        assert store.check().ok
+        assert sbx.exec("echo alive").stdout == "alive\n"
+    time.sleep(10)  # the guest thaws a freeze whose host vanished within FREEZE_LIMIT
+    sbx.files.write("/root/after", "written")
+    last = sbx.checkpoint(name="after-kills")
+    sbx.files.write("/root/after", "changed")
+    sbx.restore(last.id)
+    assert sbx.files.read_text("/root/after") == "written"
+    assert Store.open(home.store).check(read_data=True).ok

@@ -330,13 +330,15 @@ class Machine:
         token = secrets.token_hex(4)
         with self.agent() as agent, self.monitor() as mon:
             r = self.record
+            self._reconcile_disks(mon)
+            for stale in [*caches.ram.glob(f".capture-{r.uuid}-*"), *self.path.glob(".devstate-*")]:
+                stale.unlink()  # left by an interrupted checkpoint (we hold the checkpoint lock)
             top = Path(r.disks[-1])
             new_top = self.path / f"disk-{token}.qcow2"
             cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1), top_file=top,
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
-                          ram_out=caches.ram / f".capture-{token}.ram",
-                          devstate_out=self.path / f".devstate-{token}",
-                          socket_path=home.runtime / f"mig-{token}.sock")
+                          ram_out=caches.ram / f".capture-{r.uuid}-{token}.ram",
+                          devstate_out=self.path / f".devstate-{token}")
             r.disks.append(str(new_top))  # the running QEMU writes there from now on
             self._save()
             meta = {"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
@@ -354,6 +356,19 @@ class Machine:
             self._save()
         trim_ram_cache(caches, {Path(m.record.ram) for m in self.engine.list() if m.record.ram})
         return manifest
+
+    def _reconcile_disks(self, mon: Monitor) -> None:
+        """If an interrupted checkpoint already gave the running QEMU a new top layer that the
+        record missed, adopt it (its old top is then a plain frozen layer)."""
+        expected = disk_node(len(self.record.disks) - 1)
+        live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block") if "inserted" in d)
+        if live == expected:
+            return
+        if live != disk_node(len(self.record.disks)):
+            raise RewindError(f"machine {self.name!r}: its disk layers are not what rewind recorded")
+        node = next(n for n in mon.cmd("query-named-block-nodes", flat=True) if n["node-name"] == live)
+        self.record.disks.append(node["image"]["filename"])
+        self._save()
 
     def restore(self, store: Store, ref: str) -> CheckpointManifest:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):

@@ -184,3 +184,35 @@ def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: Bina
     put(r.rest())
     os.ftruncate(ram_out, ram_bytes)
     return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m rewind.engine.migstream BLOCK RAM_OUT DEVSTATE_OUT DONE`: split stdin.
+
+    QEMU runs this itself (`migrate exec:...`), so the split finishes even if the rewind
+    process that asked for the checkpoint dies: a QEMU whose background snapshot loses
+    its reader mid-stream can hang. DONE is written last, atomically, with the result.
+    """
+    import json
+    import sys
+
+    block, ram_out, devstate_out, done = argv
+    try:
+        fd = os.open(ram_out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with open(devstate_out, "wb") as dst:
+                result: dict = split_stream(sys.stdin.buffer, block, fd, dst).__dict__
+        finally:
+            os.close(fd)
+    except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with open(done + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(done + ".tmp", done)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

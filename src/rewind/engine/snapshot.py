@@ -9,22 +9,23 @@ runs on. Once QEMU reports the guest running again, the file system is thawed.
 Memory and devices are from the pause, the disk from the freeze, and nothing
 reached the disk in between, so the two agree.
 
-The stream is split as it arrives (see migstream.py) into a raw memory image on
-tmpfs and a small device-state stream.
+The stream is split as it arrives (see migstream.py), by a process QEMU itself
+runs, into a raw memory image on tmpfs and a small device-state stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import socket
-import threading
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.engine.agent import AgentClient
-from rewind.engine.migstream import SplitResult, split_stream
+from rewind.engine.migstream import SplitResult, StreamError
 from rewind.engine.qmp import Monitor, MonitorError
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
@@ -51,57 +52,46 @@ class Capture:
 
 
 def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, new_top_file: Path,
-            new_top_node: str, ram_out: Path, devstate_out: Path, socket_path: Path) -> Capture:
+            new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` afterwards."""
     started = time.monotonic()
-    socket_path.unlink(missing_ok=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(os.fspath(socket_path))
-    listener.listen(1)
-    listener.settimeout(30)
-    result: dict[str, object] = {}
-
-    def receive() -> None:
-        try:
-            conn, _ = listener.accept()
-            fd = os.open(ram_out, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                with conn, conn.makefile("rb") as src, open(devstate_out, "wb") as dst:
-                    result["split"] = split_stream(src, RAM_BLOCK, fd, dst)
-            finally:
-                os.close(fd)
-        except Exception as e:  # noqa: BLE001 - handed to the caller's thread
-            result["error"] = e
-
-    reader = threading.Thread(target=receive, name="rewind-capture", daemon=True)
-    try:
-        mon.cmd("migrate-set-capabilities", capabilities=[
-            {"capability": "background-snapshot", "state": True},
-            {"capability": "x-ignore-shared", "state": True}])
-        reader.start()
-        with agent.frozen():
-            mon.cmd("blockdev-snapshot-sync", **{
-                "node-name": top_node, "snapshot-file": os.fspath(new_top_file),
-                "snapshot-node-name": new_top_node, "format": "qcow2"})
-            mon.cmd("migrate", uri=f"unix:{socket_path}")
-            stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
-            resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
-        mon.wait_migration(CAPTURE_TIMEOUT)
-        reader.join(CAPTURE_TIMEOUT)
-    except BaseException:
+    done = devstate_out.with_name(devstate_out.name + ".done")
+    done.unlink(missing_ok=True)
+    splitter = " ".join(shlex.quote(str(a)) for a in (
+        sys.executable, "-m", "rewind.engine.migstream", RAM_BLOCK, ram_out, devstate_out, done))
+    # A capture whose requester died runs on inside QEMU; let it end first. (Never cancel a
+    # background snapshot: QEMU 7.2 can then leave guest memory write-protected and hang.)
+    if mon.cmd("query-migrate").get("status") in ("setup", "active"):
         with contextlib.suppress(MonitorError):
-            mon.cmd("migrate_cancel")
-        raise
-    finally:
-        listener.close()
-        socket_path.unlink(missing_ok=True)
+            mon.wait_migration(CAPTURE_TIMEOUT)
+    mon.cmd("migrate-set-capabilities", capabilities=[
+        {"capability": "background-snapshot", "state": True},
+        {"capability": "x-ignore-shared", "state": True}])
+    with agent.frozen():
+        mon.cmd("blockdev-snapshot-sync", **{
+            "node-name": top_node, "snapshot-file": os.fspath(new_top_file),
+            "snapshot-node-name": new_top_node, "format": "qcow2"})
+        mon.cmd("migrate", uri=f"exec:{splitter}")
+        stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+        resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+    mon.wait_migration(CAPTURE_TIMEOUT)
+    result = _wait_for(done, CAPTURE_TIMEOUT)
     if "error" in result:
-        raise result["error"]  # type: ignore[misc]
-    split = result["split"]
-    assert isinstance(split, SplitResult)
+        raise StreamError(f"splitting the memory stream failed: {result['error']}")
     return Capture(ram=ram_out, devstate=devstate_out, layer=top_file,
                    pause_s=_event_time(resume) - _event_time(stop),
-                   seconds=time.monotonic() - started, split=split)
+                   seconds=time.monotonic() - started, split=SplitResult(**result))
+
+
+def _wait_for(done: Path, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise StreamError(f"the memory stream was not split within {timeout:.0f} s")
+        time.sleep(0.005)
+    result = json.loads(done.read_text())
+    done.unlink()
+    return result
 
 
 def _event_time(event: dict) -> float:

@@ -445,7 +445,7 @@ def handle_ping(port: Port, _req: dict, _payload: bytes) -> None:
 
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
-FREEZE_LIMIT = 30.0  # seconds: never leave the guest's disk frozen longer, whatever the host does
+FREEZE_LIMIT = 10.0  # seconds: never leave the guest's disk frozen longer, whatever the host does
 
 
 def set_frozen(frozen: bool) -> None:
