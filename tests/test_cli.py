@@ -76,3 +76,47 @@ def test_demo_runs(home: Home) -> None:
     out = r.stdout.decode()
     assert "Linux" in out and "first" in out and "exit 3" in out and "deleted" in out
     assert json.loads(rewind_cli("ls", "--json").stdout) == []
+
+
+def test_checkpoint_verbs(home: Home, tmp_path: Path) -> None:
+    assert rewind_cli("start", "ck").returncode == 0
+    rewind_cli("exec", "ck", "--", "echo one > /root/v")
+    r = rewind_cli("checkpoint", "ck", "--name", "one", "-o", str(tmp_path / "one.ckpt"), "--json")
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout)
+    assert first["name"] == "one" and first["pause_ms"] >= 0
+    rewind_cli("exec", "ck", "--", "echo two > /root/v")
+    assert rewind_cli("checkpoint", "ck", "--name", "two", "--label", "k=v").returncode == 0
+
+    log = json.loads(rewind_cli("log", "ck", "--json").stdout)
+    assert [(p["ref"], p["name"]) for p in log] == [("~0", "two"), ("~1", "one")]
+    from_file = json.loads(rewind_cli("log", str(tmp_path / "one.ckpt"), "--json").stdout)
+    assert [p["name"] for p in from_file] == ["one"]
+
+    assert rewind_cli("restore", "ck", "~1").returncode == 0
+    assert rewind_cli("exec", "ck", "--", "cat /root/v").stdout == b"one\n"
+    assert rewind_cli("create", "copy", "--from", str(tmp_path / "one.ckpt")).returncode == 0
+    assert rewind_cli("exec", "copy", "--", "cat /root/v; hostname").stdout == b"one\ncopy\n"
+    r = rewind_cli("branch", "ck", "kid", "--count", "2", "--json")
+    assert [m["name"] for m in json.loads(r.stdout)] == ["kid-1", "kid-2"]
+
+    check = json.loads(rewind_cli("store", "check", "--read-data", "--json").stdout)
+    assert check["ok"] and check["checkpoints"] >= 3
+    export = tmp_path / "two.rwx"
+    assert rewind_cli("export", "two", str(export)).returncode == 0
+    other = tmp_path / "other-store"
+    r = rewind_cli("import", str(export), "--store", str(other), "--json")
+    assert json.loads(r.stdout)["name"] == "two"
+    assert rewind_cli("create", "imported", "--from", "two", "--store", str(other)).returncode == 0
+    assert rewind_cli("exec", "imported", "--", "cat /root/v").stdout == b"two\n"
+
+    damaged = tmp_path / "damaged.rwx"
+    data = bytearray(export.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    _one_line_error(rewind_cli("import", str(damaged), "--store", str(tmp_path / "third")), "damaged")
+    _one_line_error(rewind_cli("restore", "ck", "~9"), "~9")
+    _one_line_error(rewind_cli("log", "nobody"), "nobody")
+    assert rewind_cli("prune", "--keep-last", "1").returncode == 0
+    assert rewind_cli("gc", "--json").returncode == 0
+    assert json.loads(rewind_cli("store", "check", "--json").stdout)["ok"]
