@@ -95,7 +95,9 @@ def ensure_template(image: Image, accel: str, memory_mib: int, cpus: int,
 def template_state(template: Template, runtime: Path, image: Image) -> SavedState:
     """The template as a state machines start from (its memory brought to tmpfs)."""
     ram = on_tmpfs(runtime, f"template-{image.id}-{template.path.name}.ram", template.ram)
-    return SavedState(ram=ram, devstate=template.devstate, disks=[template.disk])
+    # The image's root disk is named as a layer too, so checkpoints carry it (they are then
+    # complete on a host that never built this image).
+    return SavedState(ram=ram, devstate=template.devstate, disks=[image.disk, template.disk])
 
 
 def _warm_up(agent: AgentClient) -> None:
