@@ -334,7 +334,7 @@ class Machine:
             for stale in [*caches.ram.glob(f".capture-{r.uuid}-*"), *self.path.glob(".devstate-*")]:
                 stale.unlink()  # left by an interrupted checkpoint (we hold the checkpoint lock)
             top = Path(r.disks[-1])
-            new_top = self.path / f"disk-{token}.qcow2"
+            new_top = self._new_top()
             cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1), top_file=top,
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f".capture-{r.uuid}-{token}.ram",
@@ -367,7 +367,10 @@ class Machine:
         if live != disk_node(len(self.record.disks)):
             raise RewindError(f"machine {self.name!r}: its disk layers are not what rewind recorded")
         node = next(n for n in mon.cmd("query-named-block-nodes", flat=True) if n["node-name"] == live)
-        self.record.disks.append(node["image"]["filename"])
+        name = node["image"]["filename"]
+        if name.startswith("json:"):  # QEMU's name for a layer with an explicit backing node
+            name = json.loads(name[len("json:"):])["file"]["filename"]
+        self.record.disks.append(name)
         self._save()
 
     def restore(self, store: Store, ref: str) -> CheckpointManifest:

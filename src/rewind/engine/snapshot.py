@@ -53,7 +53,8 @@ class Capture:
 
 def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, new_top_file: Path,
             new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
-    """Capture the machine; its disk's writes go to `new_top_file` afterwards."""
+    """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
+    backing file) afterwards."""
     started = time.monotonic()
     done = devstate_out.with_name(devstate_out.name + ".done")
     done.unlink(missing_ok=True)
@@ -67,10 +68,14 @@ def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, 
     mon.cmd("migrate-set-capabilities", capabilities=[
         {"capability": "background-snapshot", "state": True},
         {"capability": "x-ignore-shared", "state": True}])
+    # The new top is attached by node, not by a backing file name written into it: layers
+    # move between directories, and QEMU's name for an explicit chain outgrows qcow2's field.
+    with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
+        mon.cmd("blockdev-del", **{"node-name": new_top_node})
+    mon.cmd("blockdev-add", driver="qcow2", backing=None,
+            file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
     with agent.frozen():
-        mon.cmd("blockdev-snapshot-sync", **{
-            "node-name": top_node, "snapshot-file": os.fspath(new_top_file),
-            "snapshot-node-name": new_top_node, "format": "qcow2"})
+        mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
         mon.cmd("migrate", uri=f"exec:{splitter}")
         stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
         resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
