@@ -11,17 +11,13 @@ apart, and host memory added by each idle branch (the drop in MemAvailable).
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
-import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from rewind import Home, Sandbox
-from rewind.engine.machine import Engine
+from common import arguments, report, scratch_home, summary
+
+from rewind import Sandbox
 from rewind.store import Store
 
 
@@ -37,73 +33,47 @@ def mem_available_mib() -> float:
     raise RuntimeError("no MemAvailable")
 
 
-def summary(samples: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    default = Home.from_env()
-    with tempfile.TemporaryDirectory(prefix="rewind-bench-") as tmp:
-        home = Home(root=Path(tmp), images=default.images)
-        Engine(home).template(512, 2)
-        out: dict[str, object] = {}
-        try:
-            sbx = Sandbox.create("bench", home=home)
-            sbx.exec("head -c 64M /dev/urandom > /root/ballast")  # some memory and disk in use
-            first = sbx.checkpoint()
-            store = Store.open(home.store)
-            one = du_mib(home.store)
-            pauses, calls, restores, branches, branch_pauses = [], [], [], [], []
-            for i in range(10):
-                sbx.exec(f"head -c 1M /dev/urandom > /root/change-{i}")
-                t = time.perf_counter()
-                point = sbx.checkpoint()
-                calls.append(time.perf_counter() - t)
-                pauses.append(store.get(point.id).meta["pause_s"])
-            ten = du_mib(home.store)
-            for _ in range(args.rounds):
-                t = time.perf_counter()
-                sbx.restore("~1")
-                sbx.exec(["true"])
-                restores.append(time.perf_counter() - t)
-            children = []
-            available = mem_available_mib()
-            for i in range(args.rounds):
-                t = time.perf_counter()
-                child = sbx.fork(f"child-{i}")
-                child.exec(["true"])
-                branches.append(time.perf_counter() - t)
-                branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"])
-                children.append(child)
-            time.sleep(5)
-            per_branch = (available - mem_available_mib()) / len(children)
-            out = {
-                "pause_ms": summary([p * 1000 for p in pauses]),
-                "checkpoint_call_s": summary(calls),
-                "restore_to_first_exec_s": summary(restores),
-                "branch_to_child_exec_s": summary(branches),
-                "branch_source_pause_ms": summary([p * 1000 for p in branch_pauses]),
-                "store_one_checkpoint_mib": one,
-                "store_eleven_checkpoints_mib": ten,
-                "store_first_checkpoint_own_mib": first.own_bytes / (1 << 20),
-                "memory_per_idle_branch_mib": per_branch,
-            }
-        finally:
-            for left in Sandbox.list(home=home):
-                left.delete()
-            shutil.rmtree(home.runtime, ignore_errors=True)
-    for key, value in out.items():
-        if isinstance(value, dict):
-            print(f"{key:30} median {value['median']:8.3f}  min {value['min']:8.3f}  max {value['max']:8.3f}"
-                  f"  (n={value['n']})")
-        else:
-            print(f"{key:30} {value:8.1f}")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    args = arguments(__doc__)
+    with scratch_home() as home:
+        sbx = Sandbox.create("bench", home=home)
+        sbx.exec("head -c 64M /dev/urandom > /root/ballast")  # some memory and disk in use
+        first = sbx.checkpoint()
+        store = Store.open(home.store)
+        one = du_mib(home.store)
+        pauses, calls, restores, branches, branch_pauses = [], [], [], [], []
+        for i in range(10):
+            sbx.exec(f"head -c 1M /dev/urandom > /root/change-{i}")
+            t = time.perf_counter()
+            point = sbx.checkpoint()
+            calls.append(time.perf_counter() - t)
+            pauses.append(store.get(point.id).meta["pause_s"])
+        eleven = du_mib(home.store)
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            sbx.restore("~1")
+            sbx.exec(["true"])
+            restores.append(time.perf_counter() - t)
+        available = mem_available_mib()
+        for i in range(args.rounds):
+            t = time.perf_counter()
+            child = sbx.fork(f"child-{i}")
+            child.exec(["true"])
+            branches.append(time.perf_counter() - t)
+            branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"])
+        time.sleep(5)
+        per_branch = (available - mem_available_mib()) / args.rounds
+    report({
+        "pause_ms": summary([p * 1000 for p in pauses]),
+        "checkpoint_call_s": summary(calls),
+        "restore_to_first_exec_s": summary(restores),
+        "branch_to_child_exec_s": summary(branches),
+        "branch_source_pause_ms": summary([p * 1000 for p in branch_pauses]),
+        "store_one_checkpoint_mib": round(one, 1),
+        "store_eleven_checkpoints_mib": round(eleven, 1),
+        "store_first_checkpoint_own_mib": round(first.own_bytes / (1 << 20), 1),
+        "memory_per_idle_branch_mib": round(per_branch, 1),
+    }, args.json)
 
 
 if __name__ == "__main__":
