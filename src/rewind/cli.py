@@ -338,17 +338,9 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
 @json_option
 def branch(source: str, name: str, count: int, store_dir: str | None, as_json: bool) -> None:
     """Copy running machine SOURCE as NAME: it pauses only briefly; each copy runs on its own."""
-    store = _store(store_dir)
     engine = Engine()
-    src = engine.get(source)
-    point = src.checkpoint(store, labels={"auto": "branch"})
-    names = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
-    made = []
-    for child_name in names:
-        child = engine.create_from(store, point, name=child_name)
-        child.record.extra["forked_from"] = source
-        child._save()
-        made.append(child.info())
+    names: list[str | None] = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
+    made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
     if as_json:
         emit_json([dataclasses.asdict(i) for i in made])
     else:

@@ -201,7 +201,8 @@ class Sandbox:
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None) -> Sandbox:
         """A live copy of this machine from this moment, with its own name and identity."""
         engine = self._machine.engine
-        return Sandbox(engine.fork(self._machine, self._store, name=name, labels=labels), self._store_path)
+        [child] = engine.fork(self._machine, self._store, [name], labels=labels)
+        return Sandbox(child, self._store_path)
 
     # ---- lifecycle ----
 

@@ -511,14 +511,21 @@ class Engine:
                          parent=manifest.id, state=state,
                          extra={"from_checkpoint": manifest.id, "from_machine": manifest.machine})
 
-    def fork(self, source: Machine, store: Store, name: str | None = None,
-             labels: dict[str, str] | None = None) -> Machine:
-        """A live copy of `source` from this moment (it pauses only to be captured)."""
+    def fork(self, source: Machine, store: Store, names: list[str | None],
+             labels: dict[str, str] | None = None) -> list[Machine]:
+        """Live copies of `source` from this moment, one per name (None: a generated name).
+        The source pauses only to be captured once; the copies share that point."""
+        for name in names:
+            if name is not None:
+                validate_name(name)
         manifest = source.checkpoint(store, labels={"auto": "fork"})
-        child = self.create_from(store, manifest.id, name=name, labels=labels)
-        child.record.extra["forked_from"] = source.name
-        child._save()
-        return child
+        children = []
+        for name in names:
+            child = self.create_from(store, manifest, name=name, labels=labels)
+            child.record.extra["forked_from"] = source.name
+            child._save()
+            children.append(child)
+        return children
 
     @contextmanager
     def _undo_on_failure(self, machine: Machine) -> Iterator[None]:
