@@ -335,7 +335,7 @@ class Machine:
                 stale.unlink()  # left by an interrupted checkpoint (we hold the checkpoint lock)
             top = Path(r.disks[-1])
             new_top = self._new_top()
-            cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1), top_file=top,
+            cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f".capture-{r.uuid}-{token}.ram",
                           devstate_out=self.path / f".devstate-{token}")

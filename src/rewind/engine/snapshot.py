@@ -45,13 +45,12 @@ class SavedState:
 class Capture:
     ram: Path  # raw memory image (zero pages are holes)
     devstate: Path  # device state, loaded with x-ignore-shared over `ram`
-    layer: Path  # the disk layer frozen at this instant
     pause_s: float  # how long the guest was paused (QEMU's STOP to RESUME)
     seconds: float  # from the start of the capture until everything was written
     split: SplitResult
 
 
-def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, new_top_file: Path,
+def capture(mon: Monitor, agent: AgentClient, *, top_node: str, new_top_file: Path,
             new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
     backing file) afterwards."""
@@ -83,7 +82,7 @@ def capture(mon: Monitor, agent: AgentClient, *, top_node: str, top_file: Path, 
     result = _wait_for(done, CAPTURE_TIMEOUT)
     if "error" in result:
         raise StreamError(f"splitting the memory stream failed: {result['error']}")
-    return Capture(ram=ram_out, devstate=devstate_out, layer=top_file,
+    return Capture(ram=ram_out, devstate=devstate_out,
                    pause_s=_event_time(resume) - _event_time(stop),
                    seconds=time.monotonic() - started, split=SplitResult(**result))
 

@@ -19,10 +19,6 @@ MAX_PAYLOAD = 1 << 20  # data is sent in frames of at most this size
 CHUNK = 256 * 1024  # the size senders cut data into
 
 
-class FrameError(Exception):
-    """The byte stream does not hold a valid frame here."""
-
-
 def encode(header: dict, payload: bytes = b"") -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, len(head), len(payload)) + head + payload
@@ -37,13 +33,9 @@ class Decoder:
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self.skipped = 0
 
     def feed(self, data: bytes) -> None:
         self._buf += data
-
-    def reset(self) -> None:
-        self._buf.clear()
 
     def next(self) -> tuple[dict, bytes] | None:
         while True:
@@ -70,5 +62,4 @@ class Decoder:
     def _skip(self) -> None:
         at = self._buf.find(MAGIC, 1)
         cut = at if at >= 0 else max(len(self._buf) - len(MAGIC) + 1, 1)
-        self.skipped += cut
         del self._buf[:cut]
