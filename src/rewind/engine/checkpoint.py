@@ -107,6 +107,11 @@ def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
         old.unlink(missing_ok=True)
 
 
+def layer_path(caches: Caches, blob: BlobIndex) -> Path:
+    """Where a disk layer is kept, unpacked, on this host."""
+    return caches.layers / f"{blob_digest(blob)}.qcow2"
+
+
 def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> SavedState:
     """The files to run a checkpoint, unpacked from the store where not cached."""
     def cached(blob: BlobIndex, dest: Path) -> Path:
@@ -118,6 +123,6 @@ def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> Save
     blobs = manifest.blobs
     ram = cached(blobs["ram"], caches.ram / f"{blob_digest(blobs['ram'])}.ram")
     devstate = cached(blobs["devstate"], caches.devstate / blob_digest(blobs["devstate"]))
-    disks = [cached(blobs[f"disk.{i}"], caches.layers / f"{blob_digest(blobs[f'disk.{i}'])}.qcow2")
+    disks = [cached(blobs[f"disk.{i}"], layer_path(caches, blobs[f"disk.{i}"]))
              for i in range(manifest.meta["layers"])]
     return SavedState(ram=ram, devstate=devstate, disks=disks)

@@ -26,7 +26,15 @@ from pathlib import Path
 
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
-from rewind.engine.checkpoint import HISTORY, Caches, commit_capture, state_of, trim_ram_cache
+from rewind.engine.checkpoint import (
+    HISTORY,
+    Caches,
+    adopt,
+    commit_capture,
+    layer_path,
+    state_of,
+    trim_ram_cache,
+)
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.qemu import (
@@ -347,10 +355,9 @@ class Machine:
             manifest, state = commit_capture(store, caches, cap, [Path(d) for d in r.disks[:-1]],
                                              machine=r.name, parent=r.parent, name=name, labels=labels,
                                              meta=meta, history=history)
-            # The frozen layer now lives in the cache under its digest; follow it there.
-            frozen = state_of(store, caches, manifest).disks[-1]
-            if not frozen.exists():
-                os.replace(top, frozen)
+            # Move the frozen layer into the cache under its digest (QEMU keeps its open file),
+            # so a restore finds it there instead of unpacking it from the store.
+            frozen = adopt(top, layer_path(caches, manifest.blobs[f"disk.{len(r.disks) - 2}"]))
             r.disks[-2] = str(frozen)
             r.parent = manifest.id
             self._save()
