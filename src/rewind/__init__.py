@@ -6,26 +6,47 @@
         print(sbx.exec("uname -a").stdout)
 """
 
-from rewind.engine.agent import ExecResult
-from rewind.errors import (
-    AgentError,
-    AgentGone,
-    AlreadyExists,
-    Busy,
-    CommandFailed,
-    ImageError,
-    InvalidArgument,
-    MachineDied,
-    MachineNotRunning,
-    NotFound,
-    RewindError,
-)
-from rewind.home import Home
-from rewind.sandbox import Checkpoint, Files, Sandbox
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+# Names are imported on first use, so that helper processes that import one module
+# of the package (the network filter, the migration splitter) start quickly.
+_EXPORTS = {
+    "ExecResult": "rewind.engine.agent",
+    "Home": "rewind.home",
+    "Checkpoint": "rewind.sandbox", "Files": "rewind.sandbox", "Sandbox": "rewind.sandbox",
+    **{name: "rewind.errors" for name in (
+        "AgentError", "AgentGone", "AlreadyExists", "Busy", "CommandFailed", "ImageError", "InvalidArgument",
+        "MachineDied", "MachineNotRunning", "NotFound", "RewindError")},
+}
 __all__ = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "ExecResult", "Files",
-    "Home",
-    "ImageError", "InvalidArgument", "MachineDied", "MachineNotRunning", "NotFound", "RewindError",
+    "Home", "ImageError", "InvalidArgument", "MachineDied", "MachineNotRunning", "NotFound", "RewindError",
     "Sandbox",
 ]
+
+if TYPE_CHECKING:
+    from rewind.engine.agent import ExecResult
+    from rewind.errors import (
+        AgentError,
+        AgentGone,
+        AlreadyExists,
+        Busy,
+        CommandFailed,
+        ImageError,
+        InvalidArgument,
+        MachineDied,
+        MachineNotRunning,
+        NotFound,
+        RewindError,
+    )
+    from rewind.home import Home
+    from rewind.sandbox import Checkpoint, Files, Sandbox
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rewind' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

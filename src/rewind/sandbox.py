@@ -17,11 +17,12 @@ from pathlib import Path
 from rewind.engine.agent import ExecResult
 from rewind.engine.checkpoint import HISTORY
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
+from rewind.engine.netrules import NetworkRules
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.home import Home
 from rewind.store import CheckpointManifest, HistoryEntry, Store
 
-__all__ = ["Checkpoint", "ExecResult", "Files", "Sandbox"]
+__all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Sandbox:
         self._machine = machine
         self._store_path = store
         self.files = Files(machine)
+        self.network = Network(machine)
 
     @property
     def _store(self) -> Store:
@@ -92,6 +94,7 @@ class Sandbox:
     def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | None = None, at: str | None = None,
+               network: dict | None = None,
                home: Home | str | os.PathLike[str] | None = None,
                store: str | os.PathLike[str] | None = None,
                progress: Callable[[str], None] | None = None) -> Sandbox:
@@ -100,14 +103,19 @@ class Sandbox:
 
         With `from_checkpoint` (a checkpoint id, id prefix or name; `at="~2"` counts back
         from it), the machine runs from that point instead, sharing its memory and disk
-        read-only; memory and vCPUs are then the checkpoint's."""
+        read-only; memory and vCPUs are then the checkpoint's.
+
+        `network` gives the machine's first rules, as for `sbx.network.set`:
+        `{"internet": False, "allow": ["pypi.org"]}`; by default it reaches the internet
+        but not the host's loopback services."""
         engine = _engine(home)
+        rules = NetworkRules.from_json(network) if network is not None else None
         if from_checkpoint is not None:
             machine = engine.create_from(open_store(engine.home, store), from_checkpoint, name=name,
-                                         labels=labels, at=at)
+                                         labels=labels, at=at, network=rules)
         else:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
-                                    image=image, report=progress or (lambda _: None))
+                                    image=image, network=rules, report=progress or (lambda _: None))
         return cls(machine, store)
 
     @classmethod
@@ -198,10 +206,13 @@ class Sandbox:
         and disk; same name and identity. The state it leaves is saved first."""
         return Checkpoint.of(self._machine.restore(self._store, ref))
 
-    def fork(self, name: str | None = None, labels: dict[str, str] | None = None) -> Sandbox:
-        """A live copy of this machine from this moment, with its own name and identity."""
+    def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
+             network: dict | None = None) -> Sandbox:
+        """A live copy of this machine from this moment, with its own name and identity.
+        It has this machine's network rules unless `network` gives others (from its first packet)."""
         engine = self._machine.engine
-        [child] = engine.fork(self._machine, self._store, [name], labels=labels)
+        rules = NetworkRules.from_json(network) if network is not None else None
+        [child] = engine.fork(self._machine, self._store, [name], labels=labels, network=rules)
         return Sandbox(child, self._store_path)
 
     # ---- lifecycle ----
@@ -261,3 +272,31 @@ class Files:
             shutil.move(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+class Network:
+    """A machine's network rules, enforced on the host where root in the guest cannot
+    change them: `sbx.network.get()`, `.set(...)`, `.off()`. They hold from the next
+    packet on and survive checkpoint, restore and fork."""
+
+    def __init__(self, machine: Machine) -> None:
+        self._machine = machine
+
+    def get(self) -> dict:
+        """`{"internet": bool, "allow": [...], "deny": [...]}`."""
+        self._machine.reload()
+        return self._machine.network.to_json()
+
+    def set(self, internet: bool = True, allow: list[str] | None = None,
+            deny: list[str] | None = None) -> dict:
+        """With `internet`, every destination except `deny`; without, only `allow`. Rules are
+        host names, wildcards (`*.example.com`) or CIDR ranges (`10.0.0.0/8`, `1.2.3.4`);
+        `deny` wins. The host's loopback services (10.0.2.2 in the guest) are reachable
+        only when an allow rule covers 127.0.0.1. A blocked connection is refused at once."""
+        rules = NetworkRules.parse(internet=internet, allow=allow, deny=deny)
+        self._machine.set_network(rules)
+        return rules.to_json()
+
+    def off(self) -> dict:
+        """Cut the machine off: nothing in or out, names do not resolve."""
+        return self.set(internet=False)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rewind.engine import netfilter
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
 from rewind.engine.checkpoint import (
@@ -37,6 +38,7 @@ from rewind.engine.checkpoint import (
 )
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
+from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
     AGENT_PORTS,
     QMP_SOCKET,
@@ -131,6 +133,7 @@ class MachineRecord:
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
     extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
     ram: str | None = None  # the memory file its QEMU maps
+    network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
 
 
 @dataclass(frozen=True)
@@ -229,13 +232,41 @@ class Machine:
         shutil.copyfile(blank_layer(self.engine.home.runtime, self.record.disk_size_mib), top)
         return top
 
+    @property
+    def network(self) -> NetworkRules:
+        return NetworkRules.from_json(self.record.network)
+
+    def set_network(self, rules: NetworkRules) -> None:
+        """Apply new network rules now (if running) and from every later start."""
+        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            self.record.network = rules.to_json()
+            self._save()
+            if self.status() == "running":
+                netfilter.update(self.path, rules)
+
+    def _launch(self, spec: VmSpec) -> None:
+        """Start QEMU and, alongside it, the filter that enforces its network rules."""
+        r = self.record
+        r.pid = None
+        filter_proc = netfilter.spawn(self.path, r.uuid, self.network)
+        try:
+            r.pid = launch(spec, self.path)
+            netfilter.wait_ready(filter_proc, self.path)
+        except BaseException:
+            if r.pid is not None:
+                kill(r.pid, r.uuid)
+            filter_proc.wait()
+            netfilter.stop(self.path, r.uuid)
+            raise
+
     def _start_from_state(self, state: SavedState) -> None:
         """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
         device state loaded, its disk layers below a new top layer of this machine's."""
         self.record.disks = [str(d) for d in state.disks]
         self.record.disks.append(str(self._new_top()))
         self.record.ram = str(state.ram)
-        self.record.pid = launch(self._spec(state.ram, incoming=True), self.path)
+        self._launch(self._spec(state.ram, incoming=True))
         with self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
                     capabilities=[{"capability": "x-ignore-shared", "state": True}])
@@ -246,7 +277,7 @@ class Machine:
     def _boot(self, report: Report) -> None:
         """Cold boot from this machine's own disk (a stopped machine)."""
         report(f"booting {self.name} from its disk")
-        self.record.pid = launch(self._spec(None, incoming=False), self.path)
+        self._launch(self._spec(None, incoming=False))
 
     def _check_starting(self) -> None:
         """check_alive for a machine still being started (its record is not yet 'running')."""
@@ -316,6 +347,7 @@ class Machine:
             kill(r.pid, r.uuid)
 
     def _cleanup_runtime(self) -> None:
+        netfilter.stop(self.path, self.record.uuid)
         for name in (QMP_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
@@ -351,7 +383,7 @@ class Machine:
             self._save()
             meta = {"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
                     "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
-                    "mac": r.mac, "pause_s": cap.pause_s, "capture_s": cap.seconds}
+                    "mac": r.mac, "network": r.network, "pause_s": cap.pause_s, "capture_s": cap.seconds}
             manifest, state = commit_capture(store, caches, cap, [Path(d) for d in r.disks[:-1]],
                                              machine=r.name, parent=r.parent, name=name, labels=labels,
                                              meta=meta, history=history)
@@ -421,6 +453,7 @@ class Machine:
                     pass
                 if not wait_exit(self.record.pid, self.record.uuid, 5):
                     kill(self.record.pid, self.record.uuid)
+            netfilter.stop(self.path, self.record.uuid)
             shutil.rmtree(self.path)
 
 
@@ -478,7 +511,8 @@ class Engine:
 
     def create(self, name: str | None = None, *, memory_mib: int = DEFAULT_MEMORY_MIB,
                cpus: int = DEFAULT_CPUS, disk_mib: int = 0, labels: dict[str, str] | None = None,
-               image: str | None = None, report: Report = lambda _: None) -> Machine:
+               image: str | None = None, network: NetworkRules | None = None,
+               report: Report = lambda _: None) -> Machine:
         """Create and start a machine from the booted template. Nothing is left behind on failure."""
         if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
             raise InvalidArgument(f"memory must be at least {MIN_MEMORY_MIB} MiB (got {memory_mib})")
@@ -494,7 +528,7 @@ class Engine:
         template = self.template(memory_mib, cpus, chosen, report)
         machine = self._new(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
-                            state=template_state(template, self.home.runtime, chosen))
+                            state=template_state(template, self.home.runtime, chosen), network=network)
         if disk_mib > base_mib:
             with self._undo_on_failure(machine):
                 machine._grow_disk(disk_mib)
@@ -503,7 +537,8 @@ class Engine:
         return machine
 
     def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,
-                    labels: dict[str, str] | None = None, at: str | None = None) -> Machine:
+                    labels: dict[str, str] | None = None, at: str | None = None,
+                    network: NetworkRules | None = None) -> Machine:
         """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
@@ -513,13 +548,14 @@ class Engine:
             manifest = store.get(at, relative_to=manifest)
         meta = manifest.meta
         state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
+        network = network or NetworkRules.from_json(meta.get("network", {}))
         return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
                          image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
-                         parent=manifest.id, state=state,
+                         parent=manifest.id, state=state, network=network,
                          extra={"from_checkpoint": manifest.id, "from_machine": manifest.machine})
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
-             labels: dict[str, str] | None = None) -> list[Machine]:
+             labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
         """Live copies of `source` from this moment, one per name (None: a generated name).
         The source pauses only to be captured once; the copies share that point."""
         for name in names:
@@ -528,7 +564,7 @@ class Engine:
         manifest = source.checkpoint(store, labels={"auto": "fork"})
         children = []
         for name in names:
-            child = self.create_from(store, manifest, name=name, labels=labels)
+            child = self.create_from(store, manifest, name=name, labels=labels, network=network)
             child.record.extra["forked_from"] = source.name
             child._save()
             children.append(child)
@@ -541,12 +577,13 @@ class Engine:
         except BaseException:
             if machine.record.pid is not None:
                 kill(machine.record.pid, machine.record.uuid)
+            netfilter.stop(machine.path, machine.record.uuid)
             shutil.rmtree(machine.path, ignore_errors=True)
             raise
 
     def _new(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str], image_id: str,
              accel: str, disk_size_mib: int, parent: str | None, state: SavedState,
-             extra: dict | None = None) -> Machine:
+             network: NetworkRules | None = None, extra: dict | None = None) -> Machine:
         """Register a machine and run `state` in it, with a new identity."""
         name = name if name is not None else f"m-{secrets.token_hex(4)}"
         self.home.machines.mkdir(parents=True, exist_ok=True)
@@ -560,7 +597,7 @@ class Engine:
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
             image_id=image_id, hostname=_hostname(name), machine_id=uuid.uuid4().hex, mac=_new_mac(),
             vmgenid=str(uuid.uuid4()), created=time.time(), accel=accel, disk_size_mib=disk_size_mib,
-            parent=parent, extra=extra or {})
+            parent=parent, extra=extra or {}, network=(network or NetworkRules()).to_json())
         machine = Machine(self, path, record)
         with self._undo_on_failure(machine), \
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):

@@ -27,6 +27,10 @@ QMP_SOCKET = "qmp.sock"
 PID_FILE = "qemu.pid"
 CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
+# The guest's frames go to the network filter (netfilter.py) and come back through these.
+NET_FROM_GUEST = "net-guest.sock"  # frames the guest sent
+NET_TO_NET = "net-pass.sock"  # frames the filter lets through to the network
+NET_TO_GUEST = "net-reply.sock"  # frames the filter sends to the guest
 
 
 def agent_socket(i: int) -> str:
@@ -70,7 +74,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
         *disk_args(spec.disks),
-        "-netdev", "user,id=net0", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
+        # IPv4 only, and every frame the guest sends goes through our filter (netfilter.py).
+        "-netdev", "user,id=net0,ipv6=off", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
+        *netfilter_args(),
         "-device", "virtio-serial-pci,id=vser0",
         "-device", "virtio-rng-pci,id=rng0",
         "-device", f"vmgenid,guid={spec.vmgenid},id=vmgenid0",
@@ -86,6 +92,19 @@ def qemu_argv(spec: VmSpec) -> list[str]:
     if spec.incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def netfilter_args() -> list[str]:
+    """Route netdev net0 through the filter: a redirector on its receive queue hands the
+    filter what the guest sends and passes on what the filter writes back; one on its
+    transmit queue lets the filter answer the guest. No filter connected: no traffic."""
+    return [
+        "-chardev", f"socket,id=netguest,path={NET_FROM_GUEST},server=on,wait=off",
+        "-chardev", f"socket,id=netpass,path={NET_TO_NET},server=on,wait=off",
+        "-chardev", f"socket,id=netreply,path={NET_TO_GUEST},server=on,wait=off",
+        "-object", "filter-redirector,id=netout,netdev=net0,queue=rx,outdev=netguest,indev=netpass",
+        "-object", "filter-redirector,id=netin,netdev=net0,queue=tx,indev=netreply",
+    ]
 
 
 def disk_node(i: int) -> str:

@@ -1,0 +1,112 @@
+"""A machine's network rules and how they decide one destination.
+
+The rules are enforced on the host by the machine's packet filter (netfilter.py),
+outside the guest, so root in the guest cannot change them."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from rewind.errors import InvalidArgument
+
+# QEMU's user-mode network, as the guest sees it.
+GUEST_NET = ipaddress.ip_network("10.0.2.0/24")
+HOST_ALIAS = ipaddress.ip_address("10.0.2.2")  # QEMU sends this address to the host's loopback
+DNS_SERVER = ipaddress.ip_address("10.0.2.3")  # answered by our filter, not by QEMU
+HOST_LOOPBACK = ipaddress.ip_address("127.0.0.1")
+
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _parse_rule(rule: object, which: str) -> str:
+    """A rule normalised: a CIDR range (a bare address is a /32), a host name, or
+    `*.domain` (any name below domain)."""
+    if not isinstance(rule, str) or not rule.strip():
+        raise InvalidArgument(f"{which} rule {rule!r} is not a host name, *.wildcard or CIDR range")
+    text = rule.strip().lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        pass
+    name = text[2:] if text.startswith("*.") else text
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        raise InvalidArgument(f"{which} rule {rule!r} is not a host name, *.wildcard or CIDR range")
+    return text
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    name = name.lower().rstrip(".")
+    if pattern.startswith("*."):
+        return name.endswith(pattern[1:])
+    return name == pattern
+
+
+@dataclass(frozen=True)
+class NetworkRules:
+    """Which destinations a machine may reach.
+
+    With `internet` on, everything except `deny` is reachable; with it off, only
+    `allow`. `deny` wins over `allow`. The host's own loopback services (10.0.2.2 in
+    the guest) are reachable only when an allow rule covers 127.0.0.1."""
+
+    internet: bool = True
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, internet: bool = True, allow: Iterable[str] | None = None,
+              deny: Iterable[str] | None = None) -> NetworkRules:
+        if not isinstance(internet, bool):
+            raise InvalidArgument(f"internet must be true or false (got {internet!r})")
+        for which, rules in (("allow", allow), ("deny", deny)):
+            if isinstance(rules, str | bytes):
+                raise InvalidArgument(f"{which} must be a list of rules, not one string")
+        return cls(internet=internet,
+                   allow=tuple(dict.fromkeys(_parse_rule(r, "allow") for r in allow or ())),
+                   deny=tuple(dict.fromkeys(_parse_rule(r, "deny") for r in deny or ())))
+
+    @classmethod
+    def from_json(cls, data: dict) -> NetworkRules:
+        return cls.parse(data.get("internet", True), data.get("allow"), data.get("deny"))
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        return {"internet": data["internet"], "allow": list(self.allow), "deny": list(self.deny)}
+
+    def _hits(self, rules: tuple[str, ...], address: IPAddress, names: Iterable[str]) -> bool:
+        names = list(names)
+        for rule in rules:
+            if rule[0].isdigit() or ":" in rule:
+                if address in ipaddress.ip_network(rule):
+                    return True
+            elif any(name_matches(rule, n) for n in names):
+                return True
+        return False
+
+    def permits(self, address: IPAddress, names: Iterable[str] = ()) -> bool:
+        """May the guest reach `address`, known to it by `names` (from its DNS answers)?"""
+        if address == HOST_ALIAS:
+            address = HOST_LOOPBACK
+        elif address in GUEST_NET:
+            return False  # QEMU's other virtual hosts
+        names = list(names)
+        if self._hits(self.deny, address, names):
+            return False
+        if self._hits(self.allow, address, names):
+            return True
+        return self.internet and not address.is_loopback
+
+    def permits_name(self, name: str) -> bool:
+        """May the guest resolve `name`? Names it could never reach are refused at once."""
+        if any(name_matches(r, name) for r in self.deny if not (r[0].isdigit() or ":" in r)):
+            return False
+        return self.internet or any(
+            name_matches(r, name) for r in self.allow if not (r[0].isdigit() or ":" in r)) or any(
+            r[0].isdigit() or ":" in r for r in self.allow)
