@@ -247,6 +247,12 @@ class AgentClient:
             self._send({"t": "thaw"})
             self._reply_of("ok")
 
+    def git(self, action: str, folder: str) -> dict:
+        """The git tier in the guest: `save` or `restore` a project folder (see guest/gittier.py)."""
+        self._send({"t": "git", "action": action, "folder": folder})
+        header, _ = self._reply_of("ok")
+        return {k: v for k, v in header.items() if k != "t"}
+
     def set_identity(self, **fields: object) -> None:
         """Hostname, machine id, MAC, entropy seed and clock, applied in the guest."""
         self._send({"t": "identity", **fields})

@@ -570,6 +570,43 @@ class Engine:
             children.append(child)
         return children
 
+    def replace(self, original: Machine, successor: Machine) -> None:
+        """`successor`, a running copy of `original`, takes over its name, identity, labels and
+        network rules, and `original` is deleted. Both directories are swapped by rename, so
+        at every moment one machine holds the name; on failure everything is put back."""
+        retired = self.home.machines / f".retired-{original.name}-{secrets.token_hex(4)}"
+        name = original.name
+        with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"), \
+                file_lock(original.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"), \
+                file_lock(successor.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {successor.name!r}"):
+            original.reload()
+            successor.reload()
+            successor.check_alive()
+            before = MachineRecord(**asdict(successor.record))
+            home_dir, own_dir = original.path, successor.path
+            os.rename(home_dir, retired)
+            os.rename(own_dir, home_dir)
+            try:
+                successor.path = home_dir
+                r, o = successor.record, original.record
+                # Its disk layers moved with its directory (QEMU holds them open already).
+                r.disks = [str(home_dir / Path(d).relative_to(own_dir)) if Path(d).is_relative_to(own_dir)
+                           else d for d in r.disks]
+                r.name, r.labels, r.network = o.name, dict(o.labels), dict(o.network)
+                r.hostname, r.machine_id, r.mac, r.created = o.hostname, o.machine_id, o.mac, o.created
+                r.extra["replaced"] = {"machine": o.uuid, "by": before.name, "at": time.time()}
+                with AgentClient(home_dir / agent_socket(0), alive=successor.check_alive) as agent:
+                    agent.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac)
+                netfilter.update(home_dir, successor.network)
+                successor._save()
+            except BaseException:
+                os.rename(home_dir, own_dir)
+                os.rename(retired, home_dir)
+                successor.path, successor.record = own_dir, before
+                raise
+        Machine(self, retired, original.record).delete()
+        original.path, original.record = successor.path, successor.record
+
     @contextmanager
     def _undo_on_failure(self, machine: Machine) -> Iterator[None]:
         try:

@@ -7,8 +7,8 @@ mid-request, or output finds no client connected for HOST_GONE_AFTER seconds,
 the request is abandoned: a running command's process group is killed and a
 half-written file is removed.
 
-Standard library only; the image builder copies this file and protocol.py
-into the guest.
+Standard library only, except the git tier (gittier.py, which uses Debian's
+python3-dulwich); the image builder copies these files into the guest.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from protocol import CHUNK, Decoder, encode  # noqa: E402
+
+try:  # loaded now, once, so that no request pays for it (images without dulwich lack the git tier)
+    import gittier  # noqa: E402
+except ImportError:
+    gittier = None
 
 PORT_PREFIX = "rewind.agent."
 DEFAULT_ENV = {
@@ -487,6 +492,22 @@ def handle_freeze(port: Port, _req: dict, _payload: bytes) -> None:
     port.send({"t": "ok"})
 
 
+def handle_git(port: Port, req: dict, _payload: bytes) -> None:
+    """The git tier: `save` or `restore` the project folder `folder`."""
+    if gittier is None:
+        raise RequestError("unsupported", "this guest image has no git tier (it needs python3-dulwich)")
+    action, folder = req.get("action"), req.get("folder")
+    if action not in ("save", "restore") or not isinstance(folder, str):
+        raise RequestError("bad_request", "git needs action save|restore and a folder")
+    try:
+        result = gittier.save(folder) if action == "save" else gittier.restore(folder)
+    except gittier.GitTierError as e:
+        raise RequestError("git_error", str(e)) from None
+    except OSError as e:
+        raise os_error(e, e.filename or folder) from None
+    port.send({"t": "ok", **result})
+
+
 HANDLERS = {
     "exec": handle_exec,
     "read": handle_read,
@@ -494,6 +515,7 @@ HANDLERS = {
     "identity": handle_identity,
     "ping": handle_ping,
     "freeze": handle_freeze,
+    "git": handle_git,
 }
 
 

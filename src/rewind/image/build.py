@@ -28,7 +28,7 @@ RECIPE: dict = {
     "suite": "bookworm",
     "variant": "minbase",
     "packages": [
-        "bash", "coreutils", "git", "python3", "ca-certificates", "iproute2",
+        "bash", "coreutils", "git", "python3", "python3-dulwich", "ca-certificates", "iproute2",
         "busybox-static", "kmod", "procps", "curl", "e2fsprogs",
     ],
     "kernel": "linux-image-amd64",
@@ -42,6 +42,7 @@ _GUEST = _HERE.parent / "guest"
 GUEST_FILES = {
     _GUEST / "agent.py": "usr/lib/rewind/agent.py",
     _GUEST / "protocol.py": "usr/lib/rewind/protocol.py",
+    _GUEST / "gittier.py": "usr/lib/rewind/gittier.py",
     _GUEST / "sysinit.sh": "usr/lib/rewind/sysinit.sh",
     _GUEST / "inittab": "etc/inittab",
 }

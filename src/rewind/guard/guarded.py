@@ -1,0 +1,112 @@
+"""guarded: run an agent's command with the cheapest undo that covers what it can do.
+
+The classifier decides the path:
+- none: it only reads, so it runs as is;
+- git: it changes only files git can take back, so the project folder is recorded
+  by the git tier first and put back if the step (or `verify`) fails;
+- fork: it can change anything, so it runs in a copy (try_in_copy) that is kept only
+  if the step (and `verify`) pass;
+- external: it acts outside the machine, where nothing can take it back, so it is
+  refused unless the caller allows it; then the machine is checkpointed first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rewind.engine.agent import ExecResult
+from rewind.engine.machine import Engine, Machine
+from rewind.errors import RewindError
+from rewind.guard import gittier
+from rewind.guard.classify import Decision, Kind, classify
+from rewind.guard.trial import Outcome, try_in_copy
+from rewind.store import Store
+
+DEFAULT_CWD = "/root"  # the guest agent's own default working directory
+TRIAL_TIMEOUT = 600.0
+
+
+class Refused(RewindError):
+    """A guarded step was not run (it acts outside the machine and that was not allowed)."""
+
+    def __init__(self, message: str, decision: Decision) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+@dataclass(frozen=True)
+class GuardedResult:
+    """What a guarded step did. `path` is how it ran: direct, git, copy or checkpoint;
+    `undone` says its changes were taken back because it (or verify) failed."""
+
+    kind: str
+    path: str
+    reasons: list[str]
+    result: ExecResult | None  # the step's own result; None if the guest died under it
+    verify: ExecResult | None
+    undone: bool
+    note: str  # what happened, in words
+    seconds: float
+    outcome: Outcome | None = None  # the copy path's outcome
+    checkpoint: str | None = None  # the point saved before an external step
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result.ok and (self.verify is None or self.verify.ok)
+
+    def to_json(self) -> dict:
+        def res(r: ExecResult | None) -> dict | None:
+            return None if r is None else {"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
+                                           "timed_out": r.timed_out}
+        return {"kind": self.kind, "path": self.path, "reasons": self.reasons, "ok": self.ok,
+                "undone": self.undone, "note": self.note, "result": res(self.result),
+                "verify": res(self.verify), "checkpoint": self.checkpoint, "seconds": round(self.seconds, 3),
+                "outcome": None if self.outcome is None else self.outcome.to_json()}
+
+
+def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, verify: str | None = None,
+            allow_external: bool = False, cwd: str | None = None, timeout: float | None = None,
+            offline: bool = False) -> GuardedResult:
+    started = time.monotonic()
+    folder = cwd or DEFAULT_CWD
+    decision = classify(command, cwd=folder)
+    kind = decision.kind
+    if kind is Kind.GIT and folder == "/":
+        kind = Kind.FORK  # the git tier records one project, not the whole file system
+
+    def done(path: str, step: ExecResult | None, checked: ExecResult | None, undone: bool, note: str,
+             **more: object) -> GuardedResult:
+        return GuardedResult(kind=decision.kind.value, path=path, reasons=list(decision.reasons), result=step,
+                             verify=checked, undone=undone, note=note, seconds=time.monotonic() - started,
+                             **more)  # type: ignore[arg-type]
+
+    if kind is Kind.EXTERNAL and not allow_external:
+        raise Refused(f"refused: {'; '.join(decision.reasons)}; it acts outside the machine, where no "
+                      f"checkpoint can take it back (pass allow_external to run it anyway)", decision)
+
+    if kind is Kind.FORK:
+        outcome = try_in_copy(engine, machine, store, command, verify, offline=offline, cwd=cwd,
+                              timeout=timeout or TRIAL_TIMEOUT)
+        return done("copy", outcome.step.result, outcome.verify.result if outcome.verify else None,
+                    undone=not outcome.passed, note=outcome.reason, outcome=outcome)
+
+    point = gittier.save(machine, folder) if kind is Kind.GIT else None
+    checkpoint = machine.checkpoint(store, labels={"auto": "before-external"}).id \
+        if kind is Kind.EXTERNAL else None
+    with machine.agent() as agent:
+        step = agent.exec(["bash", "-c", command], cwd=cwd, timeout=timeout)
+        checked = agent.exec(["bash", "-c", verify], cwd=cwd, timeout=timeout) \
+            if verify is not None and step.ok else None
+    passed = step.ok and (checked is None or checked.ok)
+    if point is None:
+        path = "checkpoint" if checkpoint else "direct"
+        note = f"saved as {checkpoint[:12]} first" if checkpoint else "ran as is"
+        return done(path, step, checked, undone=False, note=note, checkpoint=checkpoint)
+    if passed:
+        return done("git", step, checked, undone=False, note=f"{folder} recorded first; kept")
+    gittier.restore(machine, point)
+    failed = f"step {'timed out' if step.timed_out else f'exited with {step.exit_code}'}" if not step.ok \
+        else "verify failed"
+    return done("git", step, checked, undone=True, note=f"{failed}; {folder} put back as it was")
+

@@ -1,0 +1,126 @@
+"""try_in_copy: run a risky step in a live copy of the machine, keep it only if a check passes.
+
+The copy is a fork (it shares the machine's memory and disk as of now and stores
+only what it changes), by default cut off from the network. If the step and then
+the check exit 0 in the copy, the copy takes over the machine's name, identity and
+network rules and the original is deleted; otherwise the copy is deleted and the
+original never saw the step. Either way the outcome carries both outputs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+from rewind.engine.agent import ExecResult
+from rewind.engine.machine import Engine, Machine
+from rewind.engine.netrules import NetworkRules
+from rewind.errors import InvalidArgument, RewindError
+from rewind.store import Store
+
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """One command run in the copy; `error` says why it has no result (the guest died...)."""
+
+    command: str
+    result: ExecResult | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result.ok
+
+    def describe(self, what: str) -> str:
+        if self.error is not None:
+            return f"{what} failed: {self.error}"
+        assert self.result is not None
+        if self.result.timed_out:
+            return f"{what} timed out"
+        return f"{what} exited with {self.result.exit_code}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What try_in_copy did. `kept` is "copy" (the step's machine now runs under the
+    original's name) or "original" (the copy was thrown away)."""
+
+    kept: str
+    passed: bool
+    log: str
+    reason: str
+    step: StepRun
+    verify: StepRun | None
+    copy_name: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        def run_json(run: StepRun | None) -> dict | None:
+            if run is None:
+                return None
+            r = run.result
+            return {"command": run.command, "error": run.error,
+                    "exit_code": None if r is None else r.exit_code,
+                    "timed_out": None if r is None else r.timed_out,
+                    "stdout": None if r is None else r.stdout, "stderr": None if r is None else r.stderr}
+        return {"kept": self.kept, "passed": self.passed, "reason": self.reason, "log": self.log,
+                "step": run_json(self.step), "verify": run_json(self.verify), "copy": self.copy_name,
+                "seconds": round(self.seconds, 3)}
+
+
+def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> StepRun:
+    """Run `command` under bash in `machine`; a guest that dies or loses its agent is an
+    outcome to report, not an error of ours."""
+    try:
+        with machine.agent() as agent:
+            return StepRun(command, agent.exec(["bash", "-c", command], cwd=cwd, timeout=timeout))
+    except RewindError as e:
+        return StepRun(command, None, str(e))
+
+
+def _log(*runs: StepRun | None) -> str:
+    parts = []
+    for run in runs:
+        if run is None:
+            continue
+        if run.result is not None:
+            parts += [run.result.stdout, run.result.stderr]
+        if run.error is not None:
+            parts.append(f"[rewind] {run.error}\n")
+    return "".join(parts)
+
+
+def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verify: str | None,
+                offline: bool = True, cwd: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT) -> Outcome:
+    """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`."""
+    for what, command in (("step", step), ("verify", verify)):
+        if command is not None and (not isinstance(command, str) or not command.strip()):
+            raise InvalidArgument(f"the {what} command is empty")
+    if not timeout > 0:
+        raise InvalidArgument(f"timeout must be a positive number of seconds (got {timeout})")
+    started = time.monotonic()
+    copy_name = f"{machine.name[:40]}.try-{secrets.token_hex(3)}"
+    rules = NetworkRules(internet=False) if offline else machine.network
+    [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
+                         network=rules)
+    try:
+        ran = run_in(copy, step, cwd, timeout)
+        checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
+        passed = ran.ok and (checked is None or checked.ok)
+        if passed:
+            engine.replace(machine, copy)
+            reason = "step passed" + (" and verify passed" if checked else "") + "; the copy is kept"
+        else:
+            copy.delete()
+            failed = ran.describe("step") if not ran.ok else checked.describe("verify")  # type: ignore[union-attr]
+            reason = f"{failed}; the original is kept, untouched"
+    except BaseException:
+        copy.delete()
+        raise
+    return Outcome(kept="copy" if passed else "original", passed=passed, log=_log(ran, checked),
+                   reason=reason, step=ran, verify=checked, copy_name=copy_name,
+                   seconds=time.monotonic() - started)
