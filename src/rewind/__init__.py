@@ -17,14 +17,19 @@ _EXPORTS = {
     "ExecResult": "rewind.engine.agent",
     "Home": "rewind.home",
     "Checkpoint": "rewind.sandbox", "Files": "rewind.sandbox", "Sandbox": "rewind.sandbox",
+    "try_in_copy": "rewind.sandbox",
+    "classify": "rewind.guard.classify", "Decision": "rewind.guard.classify",
+    "Outcome": "rewind.guard.trial",
+    "GuardedResult": "rewind.guard.guarded", "Refused": "rewind.guard.guarded",
     **{name: "rewind.errors" for name in (
         "AgentError", "AgentGone", "AlreadyExists", "Busy", "CommandFailed", "ImageError", "InvalidArgument",
         "MachineDied", "MachineNotRunning", "NotFound", "RewindError")},
 }
 __all__ = [
-    "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "ExecResult", "Files",
-    "Home", "ImageError", "InvalidArgument", "MachineDied", "MachineNotRunning", "NotFound", "RewindError",
-    "Sandbox",
+    "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
+    "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
+    "MachineNotRunning", "NotFound", "Outcome", "Refused", "RewindError", "Sandbox", "classify",
+    "try_in_copy",
 ]
 
 if TYPE_CHECKING:
@@ -42,8 +47,11 @@ if TYPE_CHECKING:
         NotFound,
         RewindError,
     )
+    from rewind.guard.classify import Decision, classify
+    from rewind.guard.guarded import GuardedResult, Refused
+    from rewind.guard.trial import Outcome
     from rewind.home import Home
-    from rewind.sandbox import Checkpoint, Files, Sandbox
+    from rewind.sandbox import Checkpoint, Files, Sandbox, try_in_copy
 
 
 def __getattr__(name: str) -> object:

@@ -27,8 +27,9 @@ from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
+from rewind.guard.classify import classify as classify_command
 from rewind.image import build_image, find_image, import_image, list_images, recipe_id
-from rewind.sandbox import Checkpoint, Sandbox, history_of, open_store
+from rewind.sandbox import Checkpoint, Sandbox, history_of, open_store, try_in_copy
 from rewind.store import CheckpointManifest, Store, export_checkpoint, import_checkpoint
 
 err_console = Console(stderr=True)
@@ -73,6 +74,8 @@ def progress(enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
+                            help="Checkpoint store (default: $REWIND_HOME/store).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,9 +91,14 @@ def cli() -> None:
 @click.option("--disk", default=None, help="Root disk size (default: the image's, 8G).")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
 @click.option("--image", "image_name", default=None, help="An imported image (default: the built one).")
+@click.option("--internet/--no-internet", default=True, show_default=True,
+              help="A new machine's network: everything but --deny, or only --allow.")
+@click.option("--allow", multiple=True, help="Host name, *.domain or CIDR it may reach; repeatable.")
+@click.option("--deny", multiple=True, help="Host name, *.domain or CIDR it may not reach; repeatable.")
 @json_option
 def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str, ...],
-          image_name: str | None, as_json: bool) -> None:
+          image_name: str | None, internet: bool, allow: tuple[str, ...], deny: tuple[str, ...],
+          as_json: bool) -> None:
     """Start machine NAME: a new one, or a stopped one again."""
     engine = Engine()
     existing = {m.name for m in engine.list()}
@@ -101,7 +109,8 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
         else:
             sbx = Sandbox.create(name, memory=parse_mib(memory), cpus=cpus,
                                  disk=parse_mib(disk) if disk else 0, image=image_name,
-                                 labels=parse_pairs(labels, "--label"), progress=report)
+                                 labels=parse_pairs(labels, "--label"), progress=report,
+                                 network={"internet": internet, "allow": list(allow), "deny": list(deny)})
     info = sbx.info()
     if as_json:
         emit_json(dataclasses.asdict(info))
@@ -116,14 +125,27 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
 @click.option("--env", "envs", multiple=True, help="KEY=VALUE; repeatable.")
 @click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
 @click.option("-i", "--interactive", is_flag=True, help="Pass this process's stdin to the command.")
+@click.option("--guard", is_flag=True, help="Undo it if it fails, by the cheapest means that covers it.")
+@click.option("--verify", default=None, help="With --guard: a check that must pass too.")
+@click.option("--allow-external", is_flag=True, help="With --guard: run steps that act outside the machine.")
+@click.option("--offline", is_flag=True, help="With --guard: a step run in a copy gets no network.")
 @json_option
 def exec_(name: str, command: tuple[str, ...], cwd: str | None, envs: tuple[str, ...],
-          timeout: float | None, interactive: bool, as_json: bool) -> None:
+          timeout: float | None, interactive: bool, guard: bool, verify: str | None, allow_external: bool,
+          offline: bool, as_json: bool) -> None:
     """Run COMMAND in machine NAME: `rewind exec NAME -- CMD ARGS...`.
 
     One argument runs under `bash -c`; several run the program directly.
     Output streams as it comes; rewind exits with the command's exit code.
+    With --guard the command is classified first (see `rewind classify`) and
+    taken back if it or --verify fails; the path taken is reported on stderr.
     """
+    if guard:
+        _guarded_exec(name, " ".join(command), cwd=cwd, timeout=timeout, verify=verify,
+                      allow_external=allow_external, offline=offline, as_json=as_json)
+        return
+    if verify or allow_external or offline:
+        raise InvalidArgument("--verify, --allow-external and --offline go with --guard")
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     stdin = sys.stdin.buffer.read() if interactive else None
 
@@ -143,6 +165,88 @@ def exec_(name: str, command: tuple[str, ...], cwd: str | None, envs: tuple[str,
     elif result.timed_out:
         err_console.print(f"rewind: the command timed out after {timeout:g} s and was killed")
     sys.exit(result.exit_code)
+
+
+def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | None, verify: str | None,
+                  allow_external: bool, offline: bool, as_json: bool) -> None:
+    done = Sandbox.get(name).guarded(command, verify=verify, allow_external=allow_external, cwd=cwd,
+                                     timeout=timeout, offline=offline)
+    if as_json:
+        emit_json(done.to_json())
+    else:
+        for result in (done.result, done.verify):
+            if result is not None:
+                sys.stdout.write(result.stdout)
+                sys.stderr.write(result.stderr)
+        err_console.print(f"rewind: {done.kind} -> {done.path}: {done.note} ({done.seconds:.2f} s)")
+    sys.exit(0 if done.ok else (done.result.exit_code or 1) if done.result else 1)
+
+
+@cli.command()
+@click.argument("command", nargs=-1, required=True)
+@click.option("--cwd", default=None, help="The project folder: the command's working directory.")
+@json_option
+def classify(command: tuple[str, ...], cwd: str | None, as_json: bool) -> None:
+    """Say what undo COMMAND needs: none, git, fork or external (`rewind classify -- CMD`)."""
+    decision = classify_command(" ".join(command), cwd=cwd)
+    if as_json:
+        emit_json(decision.to_json())
+    else:
+        click.echo(decision.kind)
+        for reason in decision.reasons:
+            click.echo(f"  {reason}")
+
+
+@cli.command(name="try")
+@click.argument("name")
+@click.argument("step", nargs=-1, required=True)
+@click.option("--verify", default=None, help="A check run after the step; both must exit 0 (default: none).")
+@click.option("--online", is_flag=True, help="Let the copy use the network (by default it has none).")
+@click.option("--cwd", default=None, help="Working directory in the guest (default /root).")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds for each command.")
+@store_option
+@json_option
+def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd: str | None, timeout: float,
+         store_dir: str | None, as_json: bool) -> None:
+    """Run STEP in a live copy of machine NAME and keep the copy only if it (and --verify) pass."""
+    outcome = try_in_copy(Sandbox.get(name, store=store_dir), " ".join(step), verify, offline=not online,
+                          cwd=cwd, timeout=timeout)
+    if as_json:
+        emit_json(outcome.to_json())
+    else:
+        sys.stdout.write(outcome.log)
+        err_console.print(f"rewind: {outcome.reason} ({outcome.seconds:.2f} s)")
+    sys.exit(0 if outcome.passed else 1)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--off", is_flag=True, help="Cut the machine off the network.")
+@click.option("--internet/--no-internet", default=None, help="Reach everything but --deny, or only --allow.")
+@click.option("--allow", multiple=True, help="Host name, *.domain or CIDR; repeatable; replaces the list.")
+@click.option("--deny", multiple=True, help="Host name, *.domain or CIDR; repeatable; replaces the list.")
+@json_option
+def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...], deny: tuple[str, ...],
+            as_json: bool) -> None:
+    """Show or change machine NAME's network rules (enforced on the host)."""
+    net = Sandbox.get(name).network
+    if off and (internet is not None or allow or deny):
+        raise InvalidArgument("--off cannot be combined with other rules")
+    if off:
+        rules = net.off()
+    elif internet is not None or allow or deny:
+        current = net.get()
+        rules = net.set(internet=current["internet"] if internet is None else internet,
+                        allow=list(allow) if allow else current["allow"],
+                        deny=list(deny) if deny else current["deny"])
+    else:
+        rules = net.get()
+    if as_json:
+        emit_json(rules)
+    else:
+        click.echo(f"internet: {'on' if rules['internet'] else 'off'}")
+        click.echo(f"allow: {', '.join(rules['allow']) or '-'}")
+        click.echo(f"deny: {', '.join(rules['deny']) or '-'}")
 
 
 def _split_remote(spec: str) -> tuple[str, str] | None:
@@ -212,9 +316,6 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
 
 
 # ---- checkpoints ----------------------------------------------------------------------
-
-store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
-                            help="Checkpoint store (default: $REWIND_HOME/store).")
 
 
 def _store(store_dir: str | None) -> Store:

@@ -19,10 +19,13 @@ from rewind.engine.checkpoint import HISTORY
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import CommandFailed, InvalidArgument
+from rewind.guard.guarded import GuardedResult, guarded
+from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
+from rewind.guard.trial import try_in_copy as _try_in_copy
 from rewind.home import Home
 from rewind.store import CheckpointManifest, HistoryEntry, Store
 
-__all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox"]
+__all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "try_in_copy"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,19 @@ class Sandbox:
             raise CommandFailed(f"command {why}: {argv!r}", result)
         return result
 
+    def guarded(self, cmd: str, *, verify: str | None = None, allow_external: bool = False,
+                cwd: str | None = None, timeout: float | None = None, offline: bool = False) -> GuardedResult:
+        """Run `cmd` with the cheapest undo that covers what it can do (see rewind.classify):
+        reads run as is; changes to project files (`cwd`, default /root) are recorded by git
+        first and put back on failure; anything else runs in a copy kept only if it passes;
+        commands acting outside the machine are refused unless `allow_external` (then the
+        machine is checkpointed first). `verify` is a check that must pass too. The result
+        says which path was taken."""
+        if not isinstance(cmd, str):
+            raise InvalidArgument("a guarded command must be a shell command string")
+        return guarded(self._machine.engine, self._machine, self._store, cmd, verify=verify,
+                       allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline)
+
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
@@ -228,6 +244,17 @@ class Sandbox:
     def delete(self) -> None:
         """Stop the machine if it runs and remove everything it had."""
         self._machine.delete()
+
+
+def try_in_copy(sbx: Sandbox, step: str, verify: str | None = None, *, offline: bool = True,
+                cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
+    """Run `step`, then `verify`, in a live copy of `sbx` (cut off from the network unless
+    `offline=False`). If both exit 0 the copy takes over `sbx`'s name, identity and network
+    rules (the same handle now reaches it) and the original is deleted; otherwise the copy
+    is deleted and `sbx` never saw the step. `verify=None`: the step's exit code decides."""
+    machine = sbx._machine
+    return _try_in_copy(machine.engine, machine, sbx._store, step, verify, offline=offline, cwd=cwd,
+                        timeout=timeout)
 
 
 class Files:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from rewind.errors import InvalidArgument
 
@@ -39,6 +39,11 @@ def _parse_rule(rule: object, which: str) -> str:
     if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
         raise InvalidArgument(f"{which} rule {rule!r} is not a host name, *.wildcard or CIDR range")
     return text
+
+
+def is_range(rule: str) -> bool:
+    """A normalised rule is a CIDR range (always written with its /prefix) or a name."""
+    return "/" in rule
 
 
 def name_matches(pattern: str, name: str) -> bool:
@@ -77,13 +82,12 @@ class NetworkRules:
         return cls.parse(data.get("internet", True), data.get("allow"), data.get("deny"))
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        return {"internet": data["internet"], "allow": list(self.allow), "deny": list(self.deny)}
+        return {"internet": self.internet, "allow": list(self.allow), "deny": list(self.deny)}
 
     def _hits(self, rules: tuple[str, ...], address: IPAddress, names: Iterable[str]) -> bool:
         names = list(names)
         for rule in rules:
-            if rule[0].isdigit() or ":" in rule:
+            if is_range(rule):
                 if address in ipaddress.ip_network(rule):
                     return True
             elif any(name_matches(rule, n) for n in names):
@@ -105,8 +109,8 @@ class NetworkRules:
 
     def permits_name(self, name: str) -> bool:
         """May the guest resolve `name`? Names it could never reach are refused at once."""
-        if any(name_matches(r, name) for r in self.deny if not (r[0].isdigit() or ":" in r)):
+        if any(name_matches(r, name) for r in self.deny if not is_range(r)):
             return False
-        return self.internet or any(
-            name_matches(r, name) for r in self.allow if not (r[0].isdigit() or ":" in r)) or any(
-            r[0].isdigit() or ":" in r for r in self.allow)
+        # Without the internet a name resolves if allowed by name, or if some range is
+        # allowed (the address it resolves to is then checked at each connection).
+        return self.internet or any(is_range(r) or name_matches(r, name) for r in self.allow)

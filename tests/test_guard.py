@@ -1,0 +1,194 @@
+"""The undo an agent's tool layer uses, on real guests: try_in_copy, the git tier, guarded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import rewind_cli
+from test_network import Listener
+
+from rewind import Home, InvalidArgument, Refused, Sandbox, try_in_copy
+from rewind.engine.machine import Engine
+
+# A server holding state only in memory: each connection gets one more than the last.
+COUNTER_SERVER = r"""
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7001)); s.listen()
+n = 0
+while True:
+    c, _ = s.accept(); n += 1; c.sendall(f"{n}\n".encode()); c.close()
+"""
+ASK = "exec 3<>/dev/tcp/127.0.0.1/7001 && head -1 <&3"
+
+# Everything the step below could touch, byte for byte, and every user process but our own probe.
+FILES = "find /root /etc /usr/local -xdev -type f -exec md5sum {} + | sort"
+PROCESSES = ("ps --ppid 2 -p 2 --deselect -o pid,ppid,args --no-headers > /tmp/ps.txt && "
+             "grep -v -e ' ps --ppid' -e 'bash -c' /tmp/ps.txt | sort")  # kernel threads left out
+
+REPO = "/root/project"
+SETUP_REPO = f"""
+set -e
+mkdir -p {REPO} && cd {REPO}
+git init -q -b main && git config user.email dev@example.com && git config user.name dev
+printf 'keep\\n' > kept.txt && printf 'edit me\\n' > edited.txt && printf 'delete me\\n' > deleted.txt
+printf '*.log\\n' > .gitignore
+git add . && git commit -qm first
+printf 'staged change\\n' >> kept.txt && git add kept.txt
+printf 'not tracked yet\\n' > untracked.txt && printf 'ignored\\n' > build.log
+"""
+# The user's view of the repository: branch, HEAD, index, status and every file.
+REPO_STATE = (f"cd {REPO} && git symbolic-ref HEAD && git rev-parse HEAD && git ls-files -s && "
+              "git status --porcelain -uall --ignored && find . -path ./.git -prune -o -type f -print0 | "
+              "sort -z | xargs -0 md5sum")
+
+
+def state(sbx: Sandbox, command: str) -> str:
+    return sbx.exec(command, check=True).stdout
+
+
+def machines(home: Home) -> list[str]:
+    return [m.name for m in Engine(home).list()]
+
+
+def test_failed_try_leaves_the_original_as_it_was(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home)
+    sbx.exec(f"mkdir -p {REPO} && echo work > {REPO}/notes.txt", check=True)
+    sbx.exec(f"setsid python3 -c '{COUNTER_SERVER}' > /dev/null 2>&1 < /dev/null &", check=True)
+    sbx.exec(f"for i in $(seq 50); do {ASK} && exit 0; sleep 0.2; done; exit 1", check=True)
+    files, processes = state(sbx, FILES), state(sbx, PROCESSES)
+
+    outcome = try_in_copy(sbx, f"rm -rf {REPO} /etc/hostname && pkill -f '7001[)]' && echo step-output",
+                          verify=f"test -d {REPO}")
+    assert not outcome.passed and outcome.kept == "original"
+    assert "step-output" in outcome.log and "verify exited with 1" in outcome.reason
+    assert state(sbx, FILES) == files
+    assert state(sbx, PROCESSES) == processes
+    assert sbx.exec(ASK).stdout.strip() == "2"  # the server's memory did not see the copy's step
+    assert machines(home) == ["agent"]  # the copy is gone
+
+
+def test_passed_try_hands_the_copy_over(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home, labels={"team": "a"})
+    sbx.network.set(internet=True, deny=["10.9.0.0/16"])
+    identity = state(sbx, "hostname; cat /etc/machine-id")
+    outcome = try_in_copy(sbx, "echo installed > /usr/local/marker && ip route get 10.1.1.1 || true",
+                          verify="grep -q installed /usr/local/marker")
+    assert outcome.passed and outcome.kept == "copy", outcome.reason
+    assert machines(home) == ["agent"]
+    # The same handle, name, identity, labels and rules now reach the copy, which has the step's result.
+    assert sbx.exec("cat /usr/local/marker", check=True).stdout == "installed\n"
+    assert state(sbx, "hostname; cat /etc/machine-id") == identity
+    assert sbx.labels == {"team": "a"}
+    assert sbx.network.get() == {"internet": True, "allow": [], "deny": ["10.9.0.0/16"]}
+    again = Sandbox.get("agent", home=home)
+    assert again.info().status == "running"
+    # Its history starts at the moment before the step: undo is one restore away.
+    again.restore("~0")
+    assert again.exec("test -e /usr/local/marker").exit_code == 1
+
+
+def test_try_survives_a_step_that_kills_the_guest(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home)
+    files = state(sbx, FILES)
+    outcome = try_in_copy(sbx, "echo o > /proc/sysrq-trigger", verify="true", timeout=60)
+    assert not outcome.passed and outcome.kept == "original"
+    assert "step failed" in outcome.reason
+    assert state(sbx, FILES) == files and machines(home) == ["agent"]
+
+    slow = try_in_copy(sbx, "true", verify="sleep 600", timeout=3)
+    assert not slow.passed and "verify timed out" in slow.reason
+    assert machines(home) == ["agent"]
+
+
+def test_try_copy_is_offline_unless_asked(home: Home) -> None:
+    listener = Listener("127.0.0.1")
+    try:
+        sbx = Sandbox.create("agent", home=home, network={"internet": False, "allow": ["127.0.0.1"]})
+        reach = f"exec 3<>/dev/tcp/10.0.2.2/{listener.port} && head -1 <&3"
+        assert sbx.exec(reach).ok
+        offline = try_in_copy(sbx, reach)
+        assert not offline.passed and "refused" in offline.log.lower()
+        online = try_in_copy(sbx, reach, offline=False)
+        assert online.passed and "hello from the host" in online.log
+        assert sbx.network.get()["allow"] == ["127.0.0.1/32"]
+    finally:
+        listener.close()
+
+
+def test_git_tier_puts_the_project_back(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home)
+    sbx.exec(SETUP_REPO, check=True)
+    before = state(sbx, REPO_STATE)
+    step = ("sed -i s/edit/edited/ edited.txt && rm deleted.txt && echo new > new.txt && mkdir -p d/e && "
+            "echo x > d/e/f && git add -A && git commit -qm step && git checkout -qb other && false")
+    done = sbx.guarded(step, cwd=REPO)
+    assert (done.kind, done.path, done.undone) == ("git", "git", True), done
+    assert state(sbx, REPO_STATE) == before
+    assert sbx.exec(f"cd {REPO} && git rev-parse --verify -q refs/rewind/guard").exit_code == 0
+    assert machines(home) == ["agent"]
+
+    kept = sbx.guarded("echo more >> edited.txt", cwd=REPO, verify="grep -q more edited.txt")
+    assert (kept.path, kept.undone, kept.ok) == ("git", False, True)
+    assert "more" in sbx.files.read_text(f"{REPO}/edited.txt")
+    # The user's branch, index and history were never touched by the tier itself.
+    assert state(sbx, f"cd {REPO} && git log --format=%s main && git diff --cached --stat") == \
+        state(sbx, f"cd {REPO} && git log --format=%s && git diff --cached --stat")
+
+
+def test_guarded_takes_the_path_of_the_kind(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home)
+    read = sbx.guarded("ls /")
+    assert (read.kind, read.path, read.ok) == ("none", "direct", True) and "etc" in read.result.stdout
+
+    risky = sbx.guarded("echo broken > /etc/motd && exit 3")
+    assert (risky.kind, risky.path, risky.undone) == ("fork", "copy", True)
+    assert risky.result is not None and risky.result.exit_code == 3
+    assert "broken" not in sbx.files.read_text("/etc/motd")
+
+    fine = sbx.guarded("echo tuned > /etc/motd")
+    assert (fine.path, fine.undone) == ("copy", False)
+    assert sbx.files.read_text("/etc/motd") == "tuned\n"
+
+    with pytest.raises(Refused, match="outside the machine"):
+        sbx.guarded("git push origin main")
+    pushed = sbx.guarded("curl -s -X POST http://10.0.2.2:1/ || true", allow_external=True)
+    assert (pushed.kind, pushed.path) == ("external", "checkpoint") and pushed.checkpoint
+    assert sbx.history()[0].id == pushed.checkpoint
+
+
+def test_guard_bad_input(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home)
+    for bad in ("", "   ", "x" * (1 << 20), "echo \udcff"):
+        with pytest.raises(InvalidArgument):
+            sbx.guarded(bad)
+    with pytest.raises(InvalidArgument):
+        try_in_copy(sbx, "", verify="true")
+    with pytest.raises(InvalidArgument):
+        try_in_copy(sbx, "true", verify="true", timeout=0)
+    assert machines(home) == ["agent"] and sbx.exec("true").ok
+
+
+def test_guard_cli(home: Home) -> None:
+    decided = rewind_cli("classify", "--json", "--", "rm -rf /var/lib/app")
+    assert decided.returncode == 0 and json.loads(decided.stdout)["kind"] == "fork"
+    assert rewind_cli("classify", "--", "").returncode != 0
+    bad = rewind_cli("classify", "--", b"echo \xff".decode(errors="surrogateescape"))
+    assert bad.returncode == 1 and b"UTF-8" in bad.stderr and b"Traceback" not in bad.stderr
+
+    assert rewind_cli("start", "agent", "--no-internet", "--allow", "*.example.com").returncode == 0
+    shown = json.loads(rewind_cli("network", "agent", "--json").stdout)
+    assert shown == {"internet": False, "allow": ["*.example.com"], "deny": []}
+    refused = rewind_cli("network", "agent", "--allow", "not a host!")
+    assert refused.returncode == 1 and b"not a host name" in refused.stderr
+
+    tried = rewind_cli("try", "agent", "--json", "--verify", "test -f /root/x", "--", "touch /root/y")
+    assert tried.returncode == 1 and json.loads(tried.stdout)["kept"] == "original"
+    tried = rewind_cli("try", "agent", "--json", "--verify", "test -f /root/x", "--", "touch /root/x")
+    assert tried.returncode == 0 and json.loads(tried.stdout)["kept"] == "copy"
+
+    guarded = rewind_cli("exec", "--guard", "--json", "agent", "--", "cat /root/x")
+    assert guarded.returncode == 0 and json.loads(guarded.stdout)["path"] == "direct"
+    refused = rewind_cli("exec", "--guard", "agent", "--", "git push")
+    assert refused.returncode == 1 and b"refused" in refused.stderr
