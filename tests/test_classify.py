@@ -6,7 +6,7 @@ accuracy table and the mean time per command.
 
 from __future__ import annotations
 
-import os
+import functools
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,10 +19,12 @@ from rewind.errors import InvalidArgument
 from rewind.guard import Decision, Kind, classify
 from rewind.guard.classify import MAX_COMMAND_BYTES
 
-CORPUS = Path(os.environ.get("REWIND_CORPUS", "/work/shared/corpus/commands.tsv"))
+# shared/ lies beside the repository, on a developer's machine as in CI
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "commands.tsv"
 PROJECT = "/work/project"
 
 
+@functools.cache
 def _corpus() -> list[tuple[Kind, str]]:
     if not CORPUS.exists():
         pytest.skip(f"no corpus at {CORPUS}")
@@ -122,6 +124,13 @@ GENERAL = [
     (Kind.FORK, "echo data > /work/projectX/out.txt"),
     (Kind.FORK, "echo data > /work/project/.git/config"),
     (Kind.FORK, "rm -rf .git/hooks"),
+    (Kind.FORK, "rm -rf .*"),  # the glob takes .git along
+    (Kind.FORK, 'rm -rf "$PWD"'),  # the project folder itself, .git included
+    (Kind.FORK, "cd .. && rm -rf project"),
+    (Kind.GIT, "cd /work && rm -rf project/build"),
+    (Kind.FORK, "cd ../.. ; rm x"),
+    (Kind.EXTERNAL, "echo x > /dev/tcp/example.com/80"),
+    (Kind.NONE, "ls | tee >(grep x)"),
     # variables, loops, functions, braces
     (Kind.GIT, 'for f in *.orig; do rm "$f"; done'),
     (Kind.FORK, 'for f in /tmp/*.log; do rm "$f"; done'),
@@ -153,6 +162,9 @@ GENERAL = [
     (Kind.GIT, "git clean -fd"),
     (Kind.NONE, "git clean -n -x"),
     (Kind.FORK, "git gc --prune=now"),
+    (Kind.NONE, "git push --dry-run"),
+    (Kind.FORK, "git -c core.pager='rm -rf /' log"),
+    (Kind.GIT, "git -c user.name=x -c user.email=y commit -m z"),
     (Kind.GIT, "git clone https://github.com/o/r"),
     (Kind.FORK, "git clone https://github.com/o/r /opt/r"),
     # code whose effect cannot be known
@@ -171,6 +183,10 @@ GENERAL = [
     (Kind.FORK, "python3 -m pip install -e ."),
     (Kind.NONE, "python3 --version"),
     (Kind.FORK, "frobnicate --all"),
+    (Kind.FORK, "GIT_PAGER='rm -rf /' git log"),
+    (Kind.FORK, "env LD_PRELOAD=/tmp/x.so ls"),
+    (Kind.NONE, "export PATH=$PATH:/opt/bin"),
+    (Kind.EXTERNAL, "true $(git push)"),
     # the network
     (Kind.EXTERNAL, "curl -X PUT https://api.example.com/items/1 -H 'Content-Type: text/plain' -d x"),
     (Kind.EXTERNAL, "curl --data-binary @payload.json https://hooks.example.com/x"),
@@ -205,6 +221,7 @@ GENERAL = [
     (Kind.NONE, "gh pr list"),
     (Kind.EXTERNAL, "gh api repos/o/r/issues -f title=x"),
     (Kind.EXTERNAL, "docker push registry.example.com/app:1.0"),
+    (Kind.EXTERNAL, "docker -H tcp://prod:2376 rm -f web"),
     (Kind.FORK, "docker compose up -d"),
     (Kind.EXTERNAL, "cargo publish"),
     (Kind.EXTERNAL, 'psql -h db.prod.example.com -U app -c "DELETE FROM users"'),
@@ -305,15 +322,29 @@ def test_unparsable_input_keeps_what_was_understood() -> None:
 
 
 @pytest.mark.parametrize("command", ["(" * 5000, "$(" * 3000, "sudo " * 10000 + "rm x", "{ " * 5000,
-                                     "bash -c " + "'bash -c \"" * 200, "a | " * 5000 + "b"])
+                                     "bash -c " + "'bash -c \"" * 200, "a | " * 5000 + "b",
+                                     "mkdir " + "{a,b}" * 5000])
 def test_deep_input_is_a_fork_not_a_crash(command: str) -> None:
     assert classify(command).kind is Kind.FORK
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(), st.text(st.characters(codec="utf-8", exclude_categories=["Cs"])),
-                 st.text(alphabet=st.sampled_from(list("ab -|&;()<>$`'\"\\{}[]*~/=.\n#!"))),
-                 st.binary()))
+@pytest.mark.parametrize("command", ["{\U0010ffff", "{1..\U000faf5d}", "echo {\U0001f389}"])
+def test_characters_that_crash_the_parser_are_read_safely(command: str) -> None:
+    # tree-sitter-bash 0.25.1 reads out of bounds (and, by memory layout, crashes the process)
+    # on a `{` followed by a character beyond U+FFFF
+    assert isinstance(classify(command), Decision)
+
+
+# Pieces of shell, so that random text also reaches deep into the syntax
+SHELL_PIECES = st.lists(st.sampled_from([
+    *"ab -|&;()<>$`'\"\\{}[]*~/=.\n#!0", "if ", "then ", "fi", "do ", "done", "for x in ", "case ", " in ",
+    "esac", "<<EOF\n", "\nEOF\n", "$(", "${", "rm ", "git ", "sudo ", "xargs ", "find ", "-exec ", "bash -c ",
+    "\\;", "{}", ">>", "2>&1", "&&", "||", "cd ..", "/etc", "~/", "\U0010ffff"]), max_size=60).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.text(), st.text(st.characters(categories=["Cs", "Cc", "Lo", "Zs", "Po"])),
+                 st.text(st.characters(codec="utf-8", exclude_categories=["Cs"])), SHELL_PIECES, st.binary()))
 def test_any_input_is_classified_or_refused(command: str | bytes) -> None:
     try:
         decision = classify(command, cwd=PROJECT)

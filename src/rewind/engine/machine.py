@@ -226,9 +226,16 @@ class Machine:
                       kernel=image.kernel, initrd=image.initrd, disks=[Path(d) for d in r.disks],
                       ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=r.vmgenid, incoming=incoming)
 
+    @property
+    def disk_dir(self) -> Path:
+        """Where its writable disk layers live: named by its UUID, not its name, because QEMU
+        reopens a layer by the path it was given (a renamed machine keeps its QEMU)."""
+        return self.engine.home.root / "disks" / self.record.uuid
+
     def _new_top(self) -> Path:
         """A new, empty top layer for the disk, over the current chain's top."""
-        top = self.path / f"disk-{secrets.token_hex(4)}.qcow2"
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        top = self.disk_dir / f"disk-{secrets.token_hex(4)}.qcow2"
         shutil.copyfile(blank_layer(self.engine.home.runtime, self.record.disk_size_mib), top)
         return top
 
@@ -454,6 +461,7 @@ class Machine:
                 if not wait_exit(self.record.pid, self.record.uuid, 5):
                     kill(self.record.pid, self.record.uuid)
             netfilter.stop(self.path, self.record.uuid)
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
             shutil.rmtree(self.path)
 
 
@@ -573,7 +581,8 @@ class Engine:
     def replace(self, original: Machine, successor: Machine) -> None:
         """`successor`, a running copy of `original`, takes over its name, identity, labels and
         network rules, and `original` is deleted. Both directories are swapped by rename, so
-        at every moment one machine holds the name; on failure everything is put back."""
+        at every moment one machine holds the name; on failure everything is put back. Disk
+        layers live outside the directories (disk_dir), so QEMU's paths stay true."""
         retired = self.home.machines / f".retired-{original.name}-{secrets.token_hex(4)}"
         name = original.name
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"), \
@@ -589,9 +598,6 @@ class Engine:
             try:
                 successor.path = home_dir
                 r, o = successor.record, original.record
-                # Its disk layers moved with its directory (QEMU holds them open already).
-                r.disks = [str(home_dir / Path(d).relative_to(own_dir)) if Path(d).is_relative_to(own_dir)
-                           else d for d in r.disks]
                 r.name, r.labels, r.network = o.name, dict(o.labels), dict(o.network)
                 r.hostname, r.machine_id, r.mac, r.created = o.hostname, o.machine_id, o.mac, o.created
                 r.extra["replaced"] = {"machine": o.uuid, "by": before.name, "at": time.time()}
@@ -615,6 +621,7 @@ class Engine:
             if machine.record.pid is not None:
                 kill(machine.record.pid, machine.record.uuid)
             netfilter.stop(machine.path, machine.record.uuid)
+            shutil.rmtree(machine.disk_dir, ignore_errors=True)
             shutil.rmtree(machine.path, ignore_errors=True)
             raise
 

@@ -50,7 +50,7 @@ class Kind(enum.StrEnum):
 
     @property
     def rank(self) -> int:
-        return list(Kind).index(self)
+        return _RANKS[self]
 
     # Compare by rank, not as strings, so that max() picks the strongest kind.
     def __lt__(self, other: object) -> bool:
@@ -64,6 +64,9 @@ class Kind(enum.StrEnum):
 
     def __ge__(self, other: object) -> bool:
         return self.rank >= other.rank if isinstance(other, Kind) else NotImplemented
+
+
+_RANKS = {kind: rank for rank, kind in enumerate(Kind)}
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ _HERE = _literal(".")
 
 def _unescape(word: str) -> str:
     """Remove the backslashes of an unquoted word: `\\;` is `;`."""
-    return re.sub(r"\\(.)", r"\1", word.replace("\\\n", ""), flags=re.DOTALL)
+    return re.sub(r"\\(.)", r"\1", word.replace("\\\n", ""), flags=re.DOTALL) if "\\" in word else word
 
 
 def _unescape_quoted(content: str) -> str:
@@ -148,9 +151,26 @@ def _unescape_quoted(content: str) -> str:
 
 def _braces(path: str) -> list[str] | None:
     """Bash brace expansion of comma lists (`src/{a,b}` is src/a and src/b), so each path is
-    judged; None when it stands for too many."""
+    judged; None when it stands for more than _MAX_ALTERNATIVES."""
+    done: list[str] = []
+    pending = [path]
+    while pending:
+        current = pending.pop()
+        group = _brace_group(current)
+        if group is None:
+            done.append(current)
+        else:
+            start, end, parts = group
+            pending += [current[:start] + part + current[end + 1:] for part in parts]
+        if len(done) + len(pending) > _MAX_ALTERNATIVES:
+            return None
+    return done
+
+
+def _brace_group(text: str) -> tuple[int, int, list[str]] | None:
+    """The first {a,b,...} in `text`: where it starts and ends, and its parts."""
     depth = start = 0
-    for i, ch in enumerate(path):
+    for i, ch in enumerate(text):
         if ch == "{":
             start = i if depth == 0 else start
             depth += 1
@@ -159,20 +179,13 @@ def _braces(path: str) -> list[str] | None:
             if depth == 0:
                 parts, level, begin = [], 0, start + 1
                 for j in range(start + 1, i):
-                    level += {"{": 1, "}": -1}.get(path[j], 0)
-                    if path[j] == "," and level == 0:
-                        parts.append(path[begin:j])
+                    level += {"{": 1, "}": -1}.get(text[j], 0)
+                    if text[j] == "," and level == 0:
+                        parts.append(text[begin:j])
                         begin = j + 1
                 if parts:
-                    parts.append(path[begin:i])
-                    out: list[str] = []
-                    for part in parts:
-                        more = _braces(path[:start] + part + path[i + 1:])
-                        if more is None or len(out) + len(more) > _MAX_ALTERNATIVES:
-                            return None
-                        out += more
-                    return out
-    return [path]
+                    return start, i, [*parts, text[begin:i]]
+    return None
 
 
 class _Place(enum.IntEnum):
@@ -359,10 +372,9 @@ class Wrapper:
                 return [rule]
         command = parsed.operands
         rules = []
-        while self.assignments and command and (command[0].text or "").partition("=")[0].isidentifier() \
-                and "=" in (command[0].text or ""):
-            name = (command[0].text or "").partition("=")[0]
-            rules += [_risky_variable(name)] if name in _RISKY_VARIABLES else []
+        while self.assignments and command and _assigned(command[0]):
+            if _assigned(command[0]) in _RISKY_VARIABLES:
+                rules.append(_risky_variable(_assigned(command[0])))
             command = command[1:]
         command = command[self.leading:]
         if not command:
@@ -372,6 +384,12 @@ class Wrapper:
             shell = shell.moved(folder)
         call.run([*command, _UNKNOWN] if self.feeds_args else command, shell)
         return rules
+
+
+def _assigned(word: Word) -> str:
+    """The variable a NAME=value word sets, or ''."""
+    name, equals, _ = (word.text or "").partition("=")
+    return name if equals and name.isidentifier() else ""
 
 
 @dataclass(frozen=True)
@@ -404,15 +422,8 @@ class _Shell:
     def moved(self, folder: Word) -> _Shell:
         """A copy of this shell whose current folder is `folder` (as `cd folder` would)."""
         moved = self.copy()
-        moved.here = self.folder(folder)
+        moved.here = _folder(folder, self.here)
         return moved
-
-    def folder(self, word: Word, base: str | None = None) -> str | None:
-        """The folder `word` names, seen from `base` (default: here); None if unknown."""
-        text = word.text
-        if text is None or text.startswith("~") or text == "-":
-            return None
-        return _absolute(text, self.here if base is None else base)
 
     def expand(self, node: tree_sitter.Node) -> Word:
         return Word(self._values(node))
@@ -469,6 +480,15 @@ def _text(node: tree_sitter.Node) -> str:
     return node.text.decode("utf-8", errors="replace") if node.text is not None else ""
 
 
+def _folder(word: Word, here: str | None) -> str | None:
+    """The folder `word` names, seen from `here`; None when only known at run time (~ and `cd -`
+    included: where they lead is not known here)."""
+    text = word.text
+    if text is None or text.startswith("~") or text == "-":
+        return None
+    return _absolute(text, here)
+
+
 def _absolute(path: str, here: str | None) -> str | None:
     """`path` seen from `here`, normalised; relative to the project when the project is '.'."""
     if not path.startswith("/"):
@@ -480,8 +500,10 @@ def _absolute(path: str, here: str | None) -> str | None:
 
 
 def _snippet(text: str) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= 80 else flat[:79] + "…"
+    """`text` on one line, cut to 80 characters (only its start is looked at: reasons are made
+    for every part of a command, which may be 64 KiB long)."""
+    flat = " ".join(text[:240].split())
+    return flat if len(flat) <= 80 and len(text) <= 240 else flat[:79] + "…"
 
 
 @dataclass
@@ -665,10 +687,10 @@ class _Walker:
     def for_loop(self, node: tree_sitter.Node, shell: _Shell) -> None:
         variable = node.child_by_field_name("variable")
         words = [shell.expand(value) for value in node.children_by_field_name("value")]
-        values = [v for word in words if word.values is not None for v in word.values]
-        known = words and all(word.values is not None for word in words) and len(values) <= _MAX_ALTERNATIVES
+        values = tuple(v for word in words for v in word.values or ())
+        known = bool(words) and all(word.values is not None for word in words)
         if variable is not None:
-            shell.variables[_text(variable)] = tuple(values) if known else None
+            shell.variables[_text(variable)] = values if known and len(values) <= _MAX_ALTERNATIVES else None
         self.maybe(self.descend, node, shell)
 
     def function(self, node: tree_sitter.Node, shell: _Shell) -> None:
@@ -920,7 +942,7 @@ def _request(remote: bool, method: str) -> Rule:
 
 def _cd(call: _Call) -> list[Rule]:
     folders = [word for word in call.args if not (word.text or "").startswith("-") or word.text == "-"]
-    call.shell.here = call.shell.folder(folders[0]) if folders else None  # `cd` alone goes home
+    call.shell.here = _folder(folders[0], call.shell.here) if folders else None  # `cd` alone goes home
     return [Rule(Kind.NONE, "changes the shell's folder")]
 
 
@@ -973,11 +995,11 @@ _SU_OPTIONS = Options(short_values="cgGsw", long_values=frozenset({"--command", 
 
 
 def _su(call: _Call) -> list[Rule]:
-    parsed = _SU_OPTIONS.parse(call.args)
-    for code in parsed.values("-c"):
-        call.shell_code(code)
-        return [Rule(Kind.FORK, "runs shell code as another user")]
-    return [Rule(Kind.FORK, "opens a shell as another user")]
+    code = _SU_OPTIONS.parse(call.args).values("-c")
+    if not code:
+        return [Rule(Kind.FORK, "opens a shell as another user")]
+    call.shell_code(code[-1])
+    return [Rule(Kind.FORK, "runs shell code as another user")]
 
 
 _PYTHON_OPTIONS = Options(short_values="cmWXQ")
@@ -1052,27 +1074,31 @@ _FIND_WRITES = ("-fprint", "-fprint0", "-fprintf", "-fls")
 
 
 def _find(call: _Call) -> list[Rule]:
+    """find [-H -L -P -D X -OX] [START...] EXPRESSION: what -exec runs, -delete and -fprint decide,
+    each for the files under the starting points."""
     args = call.args
     i = 0
     while i < len(args) and (args[i].text or "")[:2] in ("-H", "-L", "-P", "-D", "-O"):
         i += 2 if args[i].text == "-D" else 1
     starts: list[Word] = []
-    while i < len(args) and not ((args[i].text or "x")[0] in "-(!)," and args[i].text):
+    while i < len(args) and not (args[i].text and args[i].text[0] in "-(!),"):  # the expression begins
         starts.append(args[i])
         i += 1
     starts = starts or [_HERE]
+    # {} stands for a file under one of the starting points
+    under = [posixpath.join(value, "*") for start in starts for value in start.values or ("",)]
+    found = _UNKNOWN if any(start.values is None for start in starts) or len(under) > _MAX_ALTERNATIVES \
+        else Word(tuple(under))
     rules: list[Rule] = []
     while i < len(args):
         action = args[i].text
         if action in _FIND_EXEC:
             end = next((j for j in range(i + 1, len(args)) if args[j].text in (";", "+")), len(args))
-            for start in starts:  # {} is a file under a starting point
-                found = _UNKNOWN if start.values is None else \
-                    Word(tuple(posixpath.join(s, "*") for s in start.values))
-                command = [_substitute(word, found) for word in args[i + 1:end]]
-                if command:
-                    shell = call.shell.moved(start) if action.endswith("dir") else call.shell
-                    call.run(command, shell)
+            command = [_substitute(word, found) for word in args[i + 1:end]]
+            if command and action.endswith("dir"):  # run from the found file's folder
+                call.run(command, call.shell.moved(starts[0] if len(starts) == 1 else _UNKNOWN))
+            elif command:
+                call.run(command)
             i = end
         elif action == "-delete":
             rules.append(call.writes(starts, "deletes files under"))
@@ -1148,13 +1174,13 @@ def _compressor(call: _Call) -> list[Rule]:
     return [call.writes([*files, *parsed.values("-o")], "replaces")]
 
 
-_PATCH_OPTIONS = Options(short_values="pdoiBrDFVYzgz", aliases={"--directory": "-d", "--output": "-o",
-                                                                   "--input": "-i", "--dry-run": "-C"})
+_PATCH_OPTIONS = Options(short_values="pdoiBrDFVYzg", aliases={"--directory": "-d", "--output": "-o",
+                                                                  "--input": "-i"})
 
 
 def _patch(call: _Call) -> list[Rule]:
     parsed = _PATCH_OPTIONS.parse(call.args)
-    if parsed.has("-C", "--check"):
+    if parsed.has("--dry-run", "--check", "-C"):  # -C: BSD patch's --check
         return [_READS]
     # the files named in the patch, under -d DIR or here; or the file given; or -o FILE
     named = parsed.values("-o") or parsed.operands[:1] or parsed.values("-d") or [_HERE]
@@ -1399,15 +1425,17 @@ def _git(call: _Call) -> list[Rule]:
     rules = []
     for name, value in parsed.flags:
         if name in ("-C", "--work-tree") and value is not None:
-            here = call.shell.folder(value, here)
+            here = _folder(value, here)
         elif name == "--git-dir" and value is not None:
-            git_dir = call.shell.folder(value, here)
+            git_dir = _folder(value, here)
             here = posixpath.dirname(git_dir) if git_dir else None
-        elif name in ("-c", "--config-env", "--exec-path") and value is not None:
-            key = (value.text or "alias.").partition("=")[0].lower()
-            if name == "--exec-path" or key.startswith(_GIT_PROGRAM_SETTINGS) or \
-                    key.endswith(_GIT_PROGRAM_SUFFIXES):
-                rules.append(Rule(Kind.FORK, f"sets git's {key or 'exec-path'}, which runs another program"))
+        elif name == "--exec-path" and value is not None:
+            rules.append(Rule(Kind.FORK, "sets where git finds its programs"))
+        elif name in ("-c", "--config-env") and value is not None:
+            key = (value.text or "").partition("=")[0].lower()
+            if not key or key.startswith(_GIT_PROGRAM_SETTINGS) or key.endswith(_GIT_PROGRAM_SUFFIXES):
+                rules.append(Rule(Kind.FORK, f"sets the git setting {key or 'only known at run time'}, "
+                                             "which can name a program to run"))
     shell = call.shell.copy()
     shell.here = here
     return [*rules, *_GIT_COMMANDS(call.shifted(parsed.operands, shell))]
@@ -1510,7 +1538,7 @@ _GIT_COMMANDS = Subcommands(
         "hook": _RUNS_CODE,
         "branch": _git_refs("-d -D --delete -m -M --move -c -C --copy -u --set-upstream-to --unset-upstream "
                             "--edit-description -f --force",
-                            "-l --list -a --all -r --remotes --show-current -v -vv --verbose --contains "
+                            "-l --list -a --all -r --remotes --show-current -v --verbose --contains "
                             "--no-contains --merged --no-merged --points-at -n"),
         "tag": _git_refs("-d --delete -a --annotate -s --sign -u -m --message -F --file -f --force",
                          "-l --list -n --contains --no-contains --merged --no-merged --points-at -v "
@@ -1639,16 +1667,16 @@ _SYSTEMCTL = _verbs("""status show cat list-units list-unit-files list-timers li
 _READ_ONLY = """
     ls ll dir vdir cat tac nl head tail less more most grep egrep fgrep zgrep rg ag ack wc cut tr paste join
     comm column fold fmt rev expand unexpand echo printf pwd which whereis type whatis apropos man info help
-    ps pgrep pidof top htop atop pstree uptime free vmstat iostat mpstat lsof df du stat file tree namei
+    ps pgrep pidof top pstree uptime free vmstat iostat mpstat lsof df du stat file tree namei
     lsattr diff diff3 sdiff cmp md5sum sha1sum sha224sum sha256sum sha384sum sha512sum b2sum cksum sum cal
     whoami id groups who w last users uname arch nproc lscpu lsblk lspci lsusb lsmod getconf locale tty
     printenv getent jq basename dirname realpath readlink test true false sleep seq yes expr bc dc factor
     numfmt shuf od hexdump strings base32 base64 basenc ping dig nslookup host whois traceroute tracepath ss
-    netstat zcat bzcat xzcat zstdcat zless zmore zdiff nm objdump readelf ldd tput clear tig dirs jobs
+    netstat zcat bzcat xzcat zstdcat zless zmore zdiff nm objdump readelf ldd tput clear dirs jobs
 """
 _SHELL_BUILTINS = """
     : exit return break continue shift set shopt ulimit umask alias unalias wait fg bg disown hash history
-    let getopts mapfile readarray enable caller complete compgen
+    let getopts mapfile readarray caller complete compgen
 """
 _TARGET_DIRECTORY = Options(short_values="tS", long_values=frozenset({"--target-directory"}),
                             aliases={"--target-directory": "-t"})
@@ -1790,8 +1818,9 @@ _PROGRAMS: dict[str, _Entry] = {
     **_each("ssh-keygen ssh-add gpg", Rule(Kind.FORK, "changes keys outside the project")),
 
     # Databases: a fork when the server is on this machine, external when it is not
-    **_each("""psql mysql mariadb sqlite3 mongo mongosh redis-cli clickhouse-client cqlsh pg_restore
-               mysqladmin dropdb createdb""", _database),
+    **_each("""psql mysql mariadb mongo mongosh redis-cli clickhouse-client cqlsh pg_restore mysqladmin dropdb
+               createdb""", _database),
+    "sqlite3": _DATABASE,
     "alembic": _verbs("current history heads branches show check",
                       default=Rule(Kind.FORK, "migrates a database")),
 
