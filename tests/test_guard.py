@@ -163,8 +163,11 @@ def test_guard_bad_input(home: Home) -> None:
     for bad in ("", "   ", "x" * (1 << 20), "echo \udcff"):
         with pytest.raises(InvalidArgument):
             sbx.guarded(bad)
-    with pytest.raises(InvalidArgument):
-        try_in_copy(sbx, "", verify="true")
+    for bad in ("", "x" * (1 << 20), b"echo \xff"):
+        with pytest.raises(InvalidArgument):
+            try_in_copy(sbx, bad, verify="true")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="verify command is empty"):
+        try_in_copy(sbx, "true", verify=" ")
     with pytest.raises(InvalidArgument):
         try_in_copy(sbx, "true", verify="true", timeout=0)
     assert machines(home) == ["agent"] and sbx.exec("true").ok

@@ -86,32 +86,33 @@ def classify(command: str | bytes, cwd: str | None = None) -> Decision:
     Without `cwd`, only relative paths are inside the project. Raises InvalidArgument for an
     empty command, one longer than MAX_COMMAND_BYTES, or one that is not valid UTF-8.
     """
-    text = _checked(command)
+    text = checked_command(command)
     project = posixpath.normpath(cwd) if cwd else "."
     walker = _Walker(project)
     walker.source(text, _Shell(here=project))
     return walker.decision(text)
 
 
-def _checked(command: object) -> str:
+def checked_command(command: object, what: str = "command") -> str:
+    """`command` as text, or InvalidArgument if it is empty, too long or not UTF-8."""
     if isinstance(command, bytes):
         data = command
         try:
             text = command.decode("utf-8")
         except UnicodeDecodeError:
-            raise InvalidArgument("command is not valid UTF-8") from None
+            raise InvalidArgument(f"{what} is not valid UTF-8") from None
     elif isinstance(command, str):
         text = command
         try:
             data = command.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidArgument("command is not valid UTF-8") from None
+            raise InvalidArgument(f"{what} is not valid UTF-8") from None
     else:
-        raise InvalidArgument(f"command must be text, not {type(command).__name__}")
+        raise InvalidArgument(f"{what} must be text, not {type(command).__name__}")
     if len(data) > MAX_COMMAND_BYTES:
-        raise InvalidArgument(f"command is {len(data)} bytes long; the limit is {MAX_COMMAND_BYTES} bytes")
+        raise InvalidArgument(f"{what} is {len(data)} bytes long; the limit is {MAX_COMMAND_BYTES} bytes")
     if not text.strip():
-        raise InvalidArgument("command is empty")
+        raise InvalidArgument(f"{what} is empty")
     return text
 
 

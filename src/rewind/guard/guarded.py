@@ -76,10 +76,10 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
         kind = Kind.FORK  # the git tier records one project, not the whole file system
 
     def done(path: str, step: ExecResult | None, checked: ExecResult | None, undone: bool, note: str,
-             **more: object) -> GuardedResult:
+             outcome: Outcome | None = None, checkpoint: str | None = None) -> GuardedResult:
         return GuardedResult(kind=decision.kind.value, path=path, reasons=list(decision.reasons), result=step,
                              verify=checked, undone=undone, note=note, seconds=time.monotonic() - started,
-                             **more)  # type: ignore[arg-type]
+                             outcome=outcome, checkpoint=checkpoint)
 
     if kind is Kind.EXTERNAL and not allow_external:
         raise Refused(f"refused: {'; '.join(decision.reasons)}; it acts outside the machine, where no "

@@ -17,6 +17,7 @@ from rewind.engine.agent import ExecResult
 from rewind.engine.machine import Engine, Machine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
+from rewind.guard.classify import checked_command
 from rewind.store import Store
 
 DEFAULT_TIMEOUT = 600.0
@@ -97,9 +98,9 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
                 offline: bool = True, cwd: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT) -> Outcome:
     """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`."""
-    for what, command in (("step", step), ("verify", verify)):
-        if command is not None and (not isinstance(command, str) or not command.strip()):
-            raise InvalidArgument(f"the {what} command is empty")
+    step = checked_command(step, "the step")
+    if verify is not None:
+        verify = checked_command(verify, "the verify command")
     if not timeout > 0:
         raise InvalidArgument(f"timeout must be a positive number of seconds (got {timeout})")
     started = time.monotonic()
