@@ -252,39 +252,46 @@ class Machine:
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
-    def _launch(self, spec: VmSpec) -> None:
-        """Start QEMU and, alongside it, the filter that enforces its network rules."""
+    @contextmanager
+    def _launching(self, spec: VmSpec) -> Iterator[None]:
+        """Start QEMU and, alongside it, the filter that enforces its network rules. The block
+        gets the guest going while the filter starts (until it connects, the guest's frames
+        go nowhere); the filter must be ready by the block's end."""
         r = self.record
         r.pid = None
         filter_proc = netfilter.spawn(self.path, r.uuid, self.network)
         try:
             r.pid = launch(spec, self.path)
+            yield
             netfilter.wait_ready(filter_proc, self.path)
         except BaseException:
             if r.pid is not None:
                 kill(r.pid, r.uuid)
+            filter_proc.kill()
             filter_proc.wait()
             netfilter.stop(self.path, r.uuid)
             raise
 
     def _start_from_state(self, state: SavedState) -> None:
         """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
-        device state loaded, its disk layers below a new top layer of this machine's."""
+        device state loaded, its disk layers below a new top layer of this machine's;
+        then give the guest this machine's identity."""
         self.record.disks = [str(d) for d in state.disks]
         self.record.disks.append(str(self._new_top()))
         self.record.ram = str(state.ram)
-        self._launch(self._spec(state.ram, incoming=True))
-        with self.monitor() as mon:
+        with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
                     capabilities=[{"capability": "x-ignore-shared", "state": True}])
             mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.devstate))}")
             mon.wait_migration()
             mon.cmd("cont")
+            self._apply_identity(connect_timeout=30)
 
     def _boot(self, report: Report) -> None:
-        """Cold boot from this machine's own disk (a stopped machine)."""
+        """Cold boot from this machine's own disk (a stopped machine), then give it its identity."""
         report(f"booting {self.name} from its disk")
-        self._launch(self._spec(None, incoming=False))
+        with self._launching(self._spec(None, incoming=False)):
+            self._apply_identity(connect_timeout=BOOT_TIMEOUT)
 
     def _check_starting(self) -> None:
         """check_alive for a machine still being started (its record is not yet 'running')."""
@@ -317,11 +324,6 @@ class Machine:
             if self.status() == "running":
                 return
             self._boot(report)
-            try:
-                self._apply_identity(connect_timeout=BOOT_TIMEOUT)
-            except BaseException:
-                kill(self.record.pid, self.record.uuid)
-                raise
             self.record.state = "running"
             self._save()
 
@@ -440,11 +442,6 @@ class Machine:
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
             self._start_from_state(state)
-            try:
-                self._apply_identity(connect_timeout=30)
-            except BaseException:
-                kill(r.pid, r.uuid)
-                raise
             r.state, r.parent = "running", target.id
             self._save()
         return target
@@ -647,7 +644,6 @@ class Engine:
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
             machine._save()
             machine._start_from_state(state)
-            machine._apply_identity(connect_timeout=30)
             record.state = "running"
             machine._save()
         return machine

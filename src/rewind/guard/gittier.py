@@ -1,6 +1,7 @@
 """The git tier: undo for steps that change only files git can take back.
 
-Cheaper than a machine checkpoint by far: one request to the guest agent records the
+Cheaper than a machine checkpoint by far: one request to the guest agent (in the
+session that then runs the step) records the
 project folder as a commit on a ref of our own (refs/rewind/guard), and one puts it
 back. The user's branch, index and history are left as they were; the work is done
 inside the guest (guest/gittier.py says how).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rewind.engine.machine import Machine
+from rewind.engine.agent import AgentClient
 from rewind.errors import AgentError, RewindError
 
 
@@ -28,22 +29,21 @@ class GitPoint:
     seconds: float  # how long recording it took, as seen from the host
 
 
-def _run(machine: Machine, action: str, folder: str) -> tuple[dict, float]:
+def _run(agent: AgentClient, action: str, folder: str) -> tuple[dict, float]:
     started = time.monotonic()
     try:
-        with machine.agent() as agent:
-            reply = agent.git(action, folder)
+        reply = agent.git(action, folder)
     except AgentError as e:
         raise GitTierError(f"git tier could not {action} {folder}: {e}") from None
     return reply, time.monotonic() - started
 
 
-def save(machine: Machine, folder: str) -> GitPoint:
+def save(agent: AgentClient, folder: str) -> GitPoint:
     """Record `folder`'s repository (tracked files and untracked, not ignored ones) before a step."""
-    reply, seconds = _run(machine, "save", folder)
+    reply, seconds = _run(agent, "save", folder)
     return GitPoint(folder=folder, commit=reply["commit"], seconds=seconds)
 
 
-def restore(machine: Machine, point: GitPoint) -> None:
+def restore(agent: AgentClient, point: GitPoint) -> None:
     """Put the work tree, HEAD, its branch and the index back as `point` found them."""
-    _run(machine, "restore", point.folder)
+    _run(agent, "restore", point.folder)

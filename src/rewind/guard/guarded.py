@@ -91,22 +91,22 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
         return done("copy", outcome.step.result, outcome.verify.result if outcome.verify else None,
                     undone=not outcome.passed, note=outcome.reason, outcome=outcome)
 
-    point = gittier.save(machine, folder) if kind is Kind.GIT else None
     checkpoint = machine.checkpoint(store, labels={"auto": "before-external"}).id \
         if kind is Kind.EXTERNAL else None
-    with machine.agent() as agent:
+    with machine.agent() as agent:  # one session: recording, step, check and putting back
+        point = gittier.save(agent, folder) if kind is Kind.GIT else None
         step = agent.exec(["bash", "-c", command], cwd=cwd, timeout=timeout)
         checked = agent.exec(["bash", "-c", verify], cwd=cwd, timeout=timeout) \
             if verify is not None and step.ok else None
-    passed = step.ok and (checked is None or checked.ok)
+        passed = step.ok and (checked is None or checked.ok)
+        if point is not None and not passed:
+            gittier.restore(agent, point)
     if point is None:
         path = "checkpoint" if checkpoint else "direct"
         note = f"saved as {checkpoint[:12]} first" if checkpoint else "ran as is"
         return done(path, step, checked, undone=False, note=note, checkpoint=checkpoint)
     if passed:
         return done("git", step, checked, undone=False, note=f"{folder} recorded first; kept")
-    gittier.restore(machine, point)
     failed = f"step {'timed out' if step.timed_out else f'exited with {step.exit_code}'}" if not step.ok \
         else "verify failed"
     return done("git", step, checked, undone=True, note=f"{failed}; {folder} put back as it was")
-

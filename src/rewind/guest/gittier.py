@@ -46,10 +46,28 @@ class GitTierError(Exception):
 
 
 def _replace_file(path: str, data: bytes) -> None:
+    # No fsync: this state is for undo while the guest runs (a crashed guest is restored
+    # from a checkpoint, not from it), and under emulation each fsync costs ~10 ms.
     tmp = path + ".rewind-tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+class _Objects:
+    """Writes git objects as loose files, without the fsync dulwich does for each."""
+
+    def __init__(self, repo: Repo) -> None:
+        self.path = repo.object_store.path
+
+    def add_object(self, obj) -> None:
+        hexsha = obj.id.decode()
+        folder = os.path.join(self.path, hexsha[:2])
+        path = os.path.join(folder, hexsha[2:])
+        if os.path.exists(path):
+            return
+        os.makedirs(folder, exist_ok=True)
+        _replace_file(path, obj.as_legacy_object())
 
 
 class Project:
@@ -72,6 +90,7 @@ class Project:
             self.top = folder
             self.ignore = IgnoreFilterManager(folder, [], False)
         self.gitdir = self.repo.controldir()
+        self.objects = _Objects(self.repo)
         self.index_path = os.path.join(self.gitdir, "index")
         self.state_path = os.path.join(self.gitdir, "rewind-guard.json")
         self.saved_index = os.path.join(self.gitdir, "rewind-guard.index")
@@ -119,8 +138,7 @@ class Project:
 
     def blob_of(self, full: str, st: os.stat_result) -> bytes:
         blob = blob_from_path_and_stat(os.fsencode(full), st)
-        if blob.id not in self.repo.object_store:
-            self.repo.object_store.add_object(blob)
+        self.objects.add_object(blob)
         return blob.id
 
 
@@ -153,7 +171,7 @@ def save(folder: str) -> dict:
         entries[path] = (sha, cleanup_mode(st.st_mode))
     for path, full, st in project.untracked(set(index)):
         entries[path] = (project.blob_of(full, st), cleanup_mode(st.st_mode))
-    tree = commit_tree(project.repo.object_store, [(p, sha, mode) for p, (sha, mode) in entries.items()])
+    tree = commit_tree(project.objects, [(p, sha, mode) for p, (sha, mode) in entries.items()])
 
     refs = project.repo.refs
     chain, head = refs.follow(b"HEAD")
@@ -165,15 +183,17 @@ def save(folder: str) -> dict:
     commit.author_time = commit.commit_time = int(time.time())
     commit.author_timezone = commit.commit_timezone = 0
     commit.message = b"rewind: the project before a guarded step\n"
-    project.repo.object_store.add_object(commit)
-    refs[GUARD_REF] = commit.id
+    project.objects.add_object(commit)
+    ref_path = os.path.join(project.gitdir, os.fsdecode(GUARD_REF))
+    os.makedirs(os.path.dirname(ref_path), exist_ok=True)
+    _replace_file(ref_path, commit.id + b"\n")  # a loose ref wins over a packed one
 
-    if os.path.exists(project.index_path):
-        with open(project.index_path, "rb") as f:
-            _replace_file(project.saved_index, f.read())
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(project.saved_index)
+    # A second name for the index file itself: git replaces its index by rename, never in
+    # place, so this keeps today's index without copying it.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(project.saved_index)
+    with contextlib.suppress(FileNotFoundError):
+        os.link(project.index_path, project.saved_index)
     state = {"commit": commit.id.decode(), "head": head.decode() if head else None,
              "branch": branch.decode() if branch else None, "top": project.top}
     _replace_file(project.state_path, json.dumps(state).encode())
@@ -231,8 +251,11 @@ def restore(folder: str) -> dict:
     elif head:
         _replace_file(os.path.join(project.gitdir, "HEAD"), f"{head}\n".encode())
     if os.path.exists(project.saved_index):
-        with open(project.saved_index, "rb") as f:
-            _replace_file(project.index_path, f.read())
+        tmp = project.index_path + ".rewind-tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.link(project.saved_index, tmp)
+        os.replace(tmp, project.index_path)
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(project.index_path)
