@@ -70,17 +70,45 @@ class _Objects:
         _replace_file(path, obj.as_legacy_object())
 
 
-class Project:
-    """The repository holding a folder, with its work tree and ignore rules."""
+def _signature(*paths: str) -> tuple:
+    """What changes when any of these files is replaced or edited."""
+    sig = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            sig.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except FileNotFoundError:
+            sig.append(None)
+    return tuple(sig)
 
-    def __init__(self, folder: str) -> None:
+
+class Project:
+    """The repository holding a folder, with its work tree and ignore rules.
+
+    Kept between requests (the agent is a long-lived process) and rebuilt when the
+    repository's config or exclude file changes: finding the repository and reading its
+    configuration would otherwise be a good part of each request. The index is parsed
+    again only when it changes."""
+
+    _known: dict[str, tuple[tuple, Project]] = {}
+
+    @classmethod
+    def of(cls, folder: str) -> Project:
         folder = os.path.realpath(folder)
         if not os.path.isdir(folder):
             raise GitTierError(f"{folder} is not a folder")
+        cached = cls._known.get(folder)
+        if cached is not None and cached[0] == cached[1].signature():
+            return cached[1]
+        project = cls(folder)
+        cls._known[folder] = (project.signature(), project)
+        return project
+
+    def __init__(self, folder: str) -> None:
         try:
             self.repo = Repo.discover(folder)
             self.top = os.path.realpath(self.repo.path)
-            self.ignore = IgnoreFilterManager.from_repo(self.repo)
+            manager = IgnoreFilterManager.from_repo(self.repo)
         except NotGitRepository:
             shadow = os.path.join(SHADOW, hashlib.sha1(folder.encode()).hexdigest()[:16] + ".git")
             if not os.path.isdir(shadow):
@@ -88,28 +116,44 @@ class Project:
                 Repo.init_bare(shadow, mkdir=True)
             self.repo = Repo(shadow)
             self.top = folder
-            self.ignore = IgnoreFilterManager(folder, [], False)
+            manager = IgnoreFilterManager(folder, [], False)
+        # from_repo read the config for these; dulwich has no public way to start again from them.
+        self._global_ignores, self._ignorecase = manager._global_filters, manager._ignorecase
         self.gitdir = self.repo.controldir()
         self.objects = _Objects(self.repo)
         self.index_path = os.path.join(self.gitdir, "index")
         self.state_path = os.path.join(self.gitdir, "rewind-guard.json")
         self.saved_index = os.path.join(self.gitdir, "rewind-guard.index")
+        self._index: tuple[tuple, dict] | None = None
+
+    def signature(self) -> tuple:
+        return _signature(os.path.join(self.gitdir, "config"), os.path.join(self.gitdir, "info", "exclude"))
+
+    def ignore(self) -> IgnoreFilterManager:
+        """Ignore rules as the files say now (each .gitignore is read when first needed)."""
+        return IgnoreFilterManager(self.top, self._global_ignores, self._ignorecase)
 
     def full(self, path: bytes) -> str:
         return os.path.join(self.top, os.fsdecode(path))
 
     def index(self) -> dict:
+        signature = _signature(self.index_path)
+        if self._index is not None and self._index[0] == signature:
+            return self._index[1]
         try:
             with open(self.index_path, "rb") as f:
-                return read_index_dict(f)
+                entries = read_index_dict(f)
         except FileNotFoundError:
-            return {}
+            entries = {}
         except UnsupportedIndexFormat as e:
             raise GitTierError(f"git index format {e.index_format_version} is not supported") from None
+        self._index = (signature, entries)
+        return entries
 
     def untracked(self, known: set[bytes]) -> list[tuple[bytes, str, os.stat_result]]:
         """Files of the work tree not in `known` and not ignored (as `git add -A` sees them)."""
         found = []
+        ignore = self.ignore()
         for dirpath, dirnames, filenames in os.walk(self.top):
             rel_dir = os.path.relpath(dirpath, self.top)
             rel_dir = "" if rel_dir == "." else rel_dir
@@ -117,7 +161,7 @@ class Project:
                 rel = os.path.join(rel_dir, d)
                 full = os.path.join(dirpath, d)
                 nested_repo = os.path.exists(os.path.join(full, ".git"))
-                if d == ".git" or nested_repo or self.ignore.is_ignored(rel + "/"):
+                if d == ".git" or nested_repo or ignore.is_ignored(rel + "/"):
                     dirnames.remove(d)  # git's own, another repository, or ignored
                 elif os.path.islink(full):
                     dirnames.remove(d)
@@ -125,7 +169,7 @@ class Project:
             for name in filenames:
                 rel = os.path.join(rel_dir, name)
                 path = os.fsencode(rel)
-                if path in known or self.ignore.is_ignored(rel):
+                if path in known or ignore.is_ignored(rel):
                     continue
                 full = os.path.join(dirpath, name)
                 try:
@@ -150,7 +194,7 @@ def _unchanged(entry, st: os.stat_result, index_mtime: float) -> bool:
 
 
 def save(folder: str) -> dict:
-    project = Project(folder)
+    project = Project.of(folder)
     index = project.index()
     try:
         index_mtime = os.stat(project.index_path).st_mtime
@@ -201,7 +245,7 @@ def save(folder: str) -> dict:
 
 
 def restore(folder: str) -> dict:
-    project = Project(folder)
+    project = Project.of(folder)
     try:
         with open(project.state_path) as f:
             state = json.load(f)
@@ -233,11 +277,12 @@ def restore(folder: str) -> dict:
 
     # Folders the step created and left empty go too (as `git clean -d` would).
     dirs = {os.fsdecode(os.path.dirname(p)) for p in wanted}
+    ignore = project.ignore()
     for dirpath, _dirnames, _files in os.walk(project.top, topdown=False):
         rel = os.path.relpath(dirpath, project.top)
         if rel != "." and ".git" not in rel.split(os.sep) and not os.listdir(dirpath) \
                 and not any(d == rel or d.startswith(rel + os.sep) for d in dirs) \
-                and not project.ignore.is_ignored(rel + "/"):
+                and not ignore.is_ignored(rel + "/"):
             os.rmdir(dirpath)
 
     # HEAD, its branch and the index, as they were.
