@@ -249,6 +249,30 @@ def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...],
         click.echo(f"deny: {', '.join(rules['deny']) or '-'}")
 
 
+@cli.command()
+@click.option("--quick", is_flag=True, help="Fewer rounds and smaller series (a few minutes).")
+@click.option("--rounds", type=click.IntRange(min=1), default=None,
+              help="Rounds per figure (default 5; 2 with --quick).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write every raw sample and the machine's description to this file.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="PNG of checkpoint cost against memory in use (default: the --json file's name, .png).")
+def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str | None) -> None:
+    """Measure what each step costs, beside plain QEMU and gVisor, and print one table."""
+    from rewind.bench import output, run  # the benchmark's imports are heavy: only for this verb
+
+    with progress(True) as report:
+        result = run(quick=quick, rounds=rounds, progress=report)
+    Console(width=200).print(output.table(result))
+    if json_path:
+        output.write_json(result, Path(json_path))
+    plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    if plot:
+        output.write_plot(result, Path(plot))
+    click.echo(f"done in {result.seconds:.0f} s" + (f"; raw samples in {json_path}" if json_path else "")
+               + (f"; plot in {plot}" if plot else ""))
+
+
 def _split_remote(spec: str) -> tuple[str, str] | None:
     name, sep, path = spec.partition(":")
     if sep and name and "/" not in name and path.startswith("/"):

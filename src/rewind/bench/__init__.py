@@ -1,0 +1,64 @@
+"""`rewind bench`: what each step costs, measured side by side with the engines users would
+pick instead, in one run. Times here are medians over rounds; these machines are noisy, so
+compare the ratios of one run rather than absolute times across runs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from rewind.bench import ours
+from rewind.bench.model import Metric, Report
+from rewind.bench.ours import Progress
+from rewind.bench.peers import run_peers
+from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine.qemu import QEMU_BINARY
+from rewind.home import Home
+from rewind.sandbox import Sandbox
+
+__all__ = ["Metric", "Report", "run"]
+
+
+def describe_host(home: Home) -> dict[str, str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine())
+    qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False).stdout
+    runsc = shutil.which("runsc")
+    gvisor = subprocess.run([runsc, "--version"], capture_output=True, text=True, check=False).stdout \
+        if runsc else ""
+    memory = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal:"))
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "memory_mib": str(int(memory) // 1024),
+            "kernel": platform.release(),
+            "accel": Engine(home).accel().accel, "qemu": (qemu.splitlines() or ["?"])[0],
+            "runsc": (gvisor.splitlines() or ["not installed"])[0], "python": platform.python_version(),
+            "machine": f"{DEFAULT_MEMORY_MIB} MiB, {DEFAULT_CPUS} vCPUs"}
+
+
+def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = lambda _: None,
+        images: Path | None = None) -> Report:
+    """Measure everything in a scratch home that shares the built image; nothing is left behind."""
+    rounds = rounds or (2 if quick else 5)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rewind-bench-") as tmp:
+        home = Home(root=Path(tmp), images=images or Home.from_env().images)
+        report = Report(machine=describe_host(home), quick=quick, rounds=rounds)
+        try:
+            progress("saving the booted template (not measured)")
+            Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
+            ours.machines_and_exec(home, report, rounds, progress)
+            ours.checkpoints(home, report, rounds, quick, progress)
+            touched = ours.memory_curve(home, report, quick, progress)
+            ours.guard(home, report, rounds, progress)
+            run_peers(home, report, touched, rounds, progress)
+        finally:
+            for left in Sandbox.list(home=home):
+                left.delete()
+            shutil.rmtree(home.runtime, ignore_errors=True)
+    report.seconds = time.monotonic() - started
+    return report

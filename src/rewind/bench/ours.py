@@ -1,0 +1,195 @@
+"""rewind's own figures: machines, exec, files, checkpoints, restores, branches, the store,
+checkpoint cost against memory in use, and the guard."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rewind.bench.model import Report
+from rewind.home import Home
+from rewind.sandbox import Sandbox
+from rewind.store import Store
+
+Progress = Callable[[str], None]
+
+# In the guest: stamp the clock every millisecond and log every gap over 3 ms, so the
+# pause a checkpoint causes is seen from inside, as a program in the guest would see it.
+STAMPER = r"""
+import time
+last = time.monotonic()
+while True:
+    time.sleep(0.001)
+    now = time.monotonic()
+    if now - last > 0.003:
+        with open("/run/gaps", "a") as f:
+            f.write(f"{(now - last) * 1000:.3f}\n")
+    last = now
+"""
+PROJECT = "/root/project"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def du_mib(path: Path) -> float:
+    out = subprocess.run(["du", "-sk", str(path)], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) / 1024
+
+
+def mem_available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def touch_memory(sbx: Sandbox, mib: int) -> None:
+    """Fill `mib` of the guest's memory with data that does not compress or dedupe
+    (a file on the guest's tmpfs lives in its memory)."""
+    sbx.exec(f"mount -o remount,size=95% /dev/shm && rm -f /dev/shm/ballast && "
+             f"head -c {mib}M /dev/urandom > /dev/shm/ballast", check=True, timeout=600)
+
+
+def largest_gap_ms(sbx: Sandbox) -> float:
+    text = sbx.exec("cat /run/gaps 2>/dev/null; : > /run/gaps").stdout
+    return max((float(line) for line in text.split()), default=0.0)
+
+
+def machines_and_exec(home: Home, report: Report, rounds: int, progress: Progress) -> None:
+    progress("machines: start to first exec, exec round trip, 10 MB files")
+    starts, execs, writes, reads = [], [], [], []
+    payload = bytes(range(256)) * (10 * 4096)  # 10 MiB
+    for i in range(rounds):
+        started = time.perf_counter()
+        sbx = Sandbox.create(f"start-{i}", home=home)
+        sbx.exec(["true"])
+        starts.append(time.perf_counter() - started)
+        execs += [timed(lambda s=sbx: s.exec(["true"])) * 1000 for _ in range(20)]
+        writes.append(timed(lambda s=sbx: s.files.write("/root/blob", payload)))
+        reads.append(timed(lambda s=sbx: s.files.read("/root/blob")))
+        sbx.delete()
+    report.add("start_to_first_exec_s", "new machine until its first exec returns", "s", starts)
+    report.add("exec_true_ms", "round trip of `exec true`", "ms", execs)
+    report.add("file_write_10mb_s", "write a 10 MB file into the guest", "s", writes)
+    report.add("file_read_10mb_s", "read a 10 MB file from the guest", "s", reads)
+
+
+def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: Progress) -> None:
+    sbx = Sandbox.create("bench", home=home)
+    store = Store.open(home.store, create=True)
+    sbx.exec(f"setsid python3 -c '{STAMPER}' > /dev/null 2>&1 < /dev/null &", check=True)
+    progress("checkpoints: the first one (it stores the image's root disk)")
+    first = sbx.checkpoint()
+    one_mib = du_mib(home.store)
+    largest_gap_ms(sbx)
+    progress("checkpoints: pause seen in the guest, call time, 1 MiB of changes apart")
+    pauses, qemu_pauses, calls, idle_gaps = [], [], [], []
+    for i in range(3 if quick else 10):
+        sbx.exec(f"head -c 1M /dev/urandom > /root/change-{i}", check=True)
+        time.sleep(0.5)
+        idle_gaps.append(largest_gap_ms(sbx))
+        started = time.perf_counter()
+        point = sbx.checkpoint()
+        calls.append(time.perf_counter() - started)
+        time.sleep(0.2)
+        pauses.append(largest_gap_ms(sbx))
+        qemu_pauses.append(store.get(point.id).meta["pause_s"] * 1000)
+    later_mib = du_mib(home.store)
+    report.add("checkpoint_pause_guest_ms", "guest pause during a checkpoint (largest gap seen inside)", "ms",
+               pauses, target=20)
+    report.add("guest_gap_idle_ms", "largest gap seen inside with no checkpoint (noise)", "ms", idle_gaps)
+    report.add("checkpoint_pause_qemu_ms", "guest pause during a checkpoint (QEMU STOP to RESUME)", "ms",
+               qemu_pauses, target=20)
+    report.add("checkpoint_call_s", "checkpoint call until it returns", "s", calls, target=1.0)
+    report.add("store_one_checkpoint_mib", "store after one checkpoint", "MiB", [one_mib])
+    n = len(calls)
+    report.add(f"store_{n + 1}_checkpoints_mib", f"store after {n} more, 1 MiB of changes apart", "MiB",
+               [later_mib], target=1.2 * one_mib + n)
+    report.add("first_checkpoint_own_mib", "data of the first checkpoint", "MiB",
+               [first.own_bytes / (1 << 20)])
+
+    progress("store check --read-data")
+    report.add("store_check_read_data_s", "`rewind store check --read-data`", "s",
+               [timed(lambda: store.check(read_data=True))])
+
+    progress("restore in place, create from a checkpoint")
+    restores, creates = [], []
+    for i in range(rounds):
+        restores.append(timed(lambda: (sbx.restore("~1"), sbx.exec(["true"]))))
+        started = time.perf_counter()
+        made = Sandbox.create(f"from-{i}", home=home, from_checkpoint=first.id)
+        made.exec(["true"])
+        creates.append(time.perf_counter() - started)
+        made.delete()
+    report.add("restore_to_first_exec_s", "restore in place until the first exec (own checkpoint included)",
+               "s", restores, target=0.4)
+    report.add("create_from_checkpoint_s", "new machine from a checkpoint until its first exec", "s", creates)
+
+    progress("branches: source pause, child's first exec, memory per idle child")
+    branch_times, branch_pauses = [], []
+    for i in range(rounds):
+        started = time.perf_counter()
+        child = sbx.fork(f"child-{i}")
+        child.exec(["true"])
+        branch_times.append(time.perf_counter() - started)
+        branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"] * 1000)
+        child.delete()
+    report.add("branch_to_child_exec_s", "branch until the child's first exec", "s", branch_times, target=1.0)
+    report.add("branch_source_pause_ms", "source pause during a branch", "ms", branch_pauses, target=100)
+    for count in (1,) if quick else (1, 4, 8):
+        time.sleep(2)
+        before = mem_available_mib()
+        children = [sbx.fork(f"idle-{count}-{i}") for i in range(count)]
+        time.sleep(5)
+        per_child = (before - mem_available_mib()) / count
+        for child in children:
+            child.delete()
+        report.add(f"memory_per_idle_child_{count}_mib",
+                   f"host memory added per idle child, {count} children", "MiB", [per_child], target=64)
+    sbx.delete()
+
+
+def memory_curve(home: Home, report: Report, quick: bool, progress: Progress) -> list[int]:
+    """Checkpoint time against guest memory in use, on one machine big enough for the most."""
+    touched = [64, 128] if quick else [128, 512, 1024]
+    memory = 512 if quick else 1536
+    progress(f"checkpoint cost against memory in use ({', '.join(map(str, touched))} MiB, "
+             f"{memory} MiB machine)")
+    sbx = Sandbox.create("curve", memory=memory, home=home)
+    sbx.checkpoint()  # the root disk goes into the store once, outside what is measured
+    points = []
+    for mib in touched:
+        touch_memory(sbx, mib)
+        points.append((mib, timed(sbx.checkpoint)))
+    sbx.delete()
+    report.curve["rewind"] = points
+    return touched
+
+
+def guard(home: Home, report: Report, rounds: int, progress: Progress) -> None:
+    progress("guard: added cost of none, git and fork steps")
+    sbx = Sandbox.create("guard", home=home)
+    sbx.exec(f"mkdir -p {PROJECT} && cd {PROJECT} && git init -q && for i in $(seq 50); do "
+             f"head -c 4k /dev/urandom > f$i; done && git add . && "
+             f"git -c user.name=b -c user.email=b@b commit -qm init", check=True)
+    sbx.checkpoint()  # the root disk goes into the store once, outside what is measured
+    def added(n: int, step: str, **kw: object) -> list[float]:
+        plain = [timed(lambda: sbx.exec(step, cwd=kw.get("cwd"))) for _ in range(n)]  # type: ignore[arg-type]
+        guarded = [timed(lambda: sbx.guarded(step, **kw)) for _ in range(n)]  # type: ignore[arg-type]
+        base = statistics.median(plain)
+        return [(g - base) * 1000 for g in guarded]
+
+    report.add("guard_none_added_ms", "`guarded` over plain exec: a read (none)", "ms",
+               added(3 * rounds, "cat f1 > /dev/null", cwd=PROJECT), target=5)
+    report.add("guard_git_added_ms", "`guarded` over plain exec: a project edit (git)", "ms",
+               added(3 * rounds, "echo x >> f1", cwd=PROJECT), target=100)
+    report.add("guard_fork_added_ms", "`guarded` over plain exec: a system change (fork, kept)", "ms",
+               added(rounds, "touch /etc/bench-marker"))
+    sbx.delete()

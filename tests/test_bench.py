@@ -1,0 +1,42 @@
+"""`rewind bench --quick` runs whole and reports well-formed figures (not their speed)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from conftest import rewind_cli
+
+from rewind import Home
+
+EXPECTED = {
+    "start_to_first_exec_s", "exec_true_ms", "file_write_10mb_s", "file_read_10mb_s",
+    "checkpoint_pause_guest_ms", "checkpoint_pause_qemu_ms", "checkpoint_call_s", "store_one_checkpoint_mib",
+    "store_check_read_data_s", "restore_to_first_exec_s", "create_from_checkpoint_s",
+    "branch_to_child_exec_s", "branch_source_pause_ms", "memory_per_idle_child_1_mib",
+    "guard_none_added_ms", "guard_git_added_ms", "guard_fork_added_ms",
+}
+
+
+def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = rewind_cli("bench", "--quick", "--json", str(out), timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    text = done.stdout.decode()
+    assert "rewind bench (quick" in text and "checkpoint call until it returns" in text
+    assert "plain QEMU" in text and "gVisor" in text  # each peer has a column, figures or a reason
+
+    report = json.loads(out.read_text())
+    assert {"cpu", "accel", "qemu", "cores", "memory_mib"} <= set(report["machine"])
+    metrics = {m["key"]: m for m in report["metrics"]}
+    assert set(metrics) >= EXPECTED
+    for m in metrics.values():
+        assert m["samples"] and all(isinstance(s, int | float) for s in m["samples"]), m
+        assert m["median"] is not None
+        assert m["met"] in (True, False, None)
+    assert set(report["peers"]) == {"plain QEMU", "gVisor"}
+    assert all(isinstance(status, str) and status for status in report["peers"].values())
+    assert [p["touched_mib"] for p in report["curve"]["rewind"]] == [64, 128]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(Path(tempfile.gettempdir()).glob("rewind-bench-*")), "the benchmark left files behind"
