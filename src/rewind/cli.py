@@ -261,12 +261,17 @@ def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str
     """Measure what each step costs, beside plain QEMU and gVisor, and print one table."""
     from rewind.bench import output, run  # the benchmark's imports are heavy: only for this verb
 
+    plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    for path in (json_path, plot):  # fail now, not after minutes of measuring
+        if path and not Path(path).resolve().parent.is_dir():
+            raise InvalidArgument(f"cannot write {path}: its folder does not exist")
+    if plot:
+        output.check_plotting()
     with progress(True) as report:
         result = run(quick=quick, rounds=rounds, progress=report)
     Console(width=200).print(output.table(result))
     if json_path:
         output.write_json(result, Path(json_path))
-    plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
     if plot:
         output.write_plot(result, Path(plot))
     click.echo(f"done in {result.seconds:.0f} s" + (f"; raw samples in {json_path}" if json_path else "")

@@ -52,10 +52,11 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             progress("saving the booted template (not measured)")
             Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
             ours.machines_and_exec(home, report, rounds, progress)
-            ours.checkpoints(home, report, rounds, quick, progress)
-            touched = ours.memory_curve(home, report, quick, progress)
+            bench = ours.checkpoints(home, report, rounds, quick, progress)
+            big, touched = ours.curve_machine(home, bench, quick)
+            ours.memory_curve(big, touched, report, progress)
             ours.guard(home, report, rounds, progress)
-            run_peers(home, report, touched, rounds, progress)
+            run_peers(big, report, touched, rounds, progress)
         finally:
             for left in Sandbox.list(home=home):
                 left.delete()

@@ -53,12 +53,18 @@ def write_json(report: Report, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_plot(report: Report, path: Path) -> None:
-    """Checkpoint time against memory in use, one line per engine."""
+def check_plotting() -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise InvalidArgument("plotting needs matplotlib: pip install 'rewind[bench]'") from None
+
+
+def write_plot(report: Report, path: Path) -> None:
+    """Checkpoint time against memory in use, one line per engine."""
+    check_plotting()
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     from matplotlib import pyplot
 

@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rewind.bench.model import Report
 from rewind.bench.ours import Progress, du_mib, timed, touch_memory
 from rewind.engine.agent import AgentClient
 from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch
@@ -49,9 +50,8 @@ def _chain_json(disks: list[str]) -> str:
 class PlainQemu:
     name = "plain QEMU"
 
-    def __init__(self, home: Home, memory_mib: int) -> None:
+    def __init__(self, home: Home) -> None:
         self.home = home
-        self.memory_mib = memory_mib
         self.work = Path(tempfile.mkdtemp(prefix="rewind-bench-qemu-"))
 
     def checkpoint(self, sbx: Sandbox) -> tuple[float, float]:
@@ -62,6 +62,9 @@ class PlainQemu:
             old.unlink()
         started = time.perf_counter()
         with Monitor(machine.path / QMP_SOCKET) as mon:
+            # A plain migration: none of the capabilities rewind's own checkpoints turn on.
+            mon.cmd("migrate-set-capabilities", capabilities=[
+                {"capability": c, "state": False} for c in ("x-ignore-shared", "background-snapshot")])
             mon.cmd("stop")
             mon.cmd("migrate", uri=f"exec:cat > {self.work / 'saved.mem'}")
             mon.wait_migration()
@@ -184,31 +187,28 @@ class GVisor:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-def run_peers(home: Home, report, touched: list[int], rounds: int, progress: Progress) -> None:  # noqa: ANN001
-    """Put each peer's figures beside ours in `report` (see model.Report)."""
+def run_peers(sbx: Sandbox, report: Report, touched: list[int], rounds: int, progress: Progress) -> None:
+    """Put each peer's figures beside ours in `report`. Plain QEMU works on `sbx`, the machine
+    rewind's memory curve ran on, with the same memory in use."""
     start, exec_true = report.metric("start_to_first_exec_s"), report.metric("exec_true_ms")
     pause, call = report.metric("checkpoint_pause_qemu_ms"), report.metric("checkpoint_call_s")
     restore, size = report.metric("restore_to_first_exec_s"), report.metric("store_one_checkpoint_mib")
 
     progress("peer: plain QEMU (stop, migrate to a file, qemu-img convert, -incoming)")
-    memory = max(touched) + 512
-    peer = PlainQemu(home, memory)
+    peer = PlainQemu(sbx._machine.engine.home)
     try:
-        sbx = Sandbox.create("peer-qemu", memory=memory, home=home)
-        stops, restores, points = [], [], []
+        points, sizes = [], []
         for mib in touched:
             touch_memory(sbx, mib)
             stopped, written = peer.checkpoint(sbx)
             points.append((mib, stopped))
-        for _ in range(rounds):
-            stopped, written = peer.checkpoint(sbx)
-            stops.append(stopped)
-            restores.append(peer.restore(sbx))
-        sbx.delete()
+            sizes.append(written)
+        restores = [peer.restore(sbx) for _ in range(max(1, rounds // 2))]
+        stops = [seconds for _, seconds in points]
         pause.peers[peer.name] = [s * 1000 for s in stops]
         call.peers[peer.name] = stops
         restore.peers[peer.name] = restores
-        size.peers[peer.name] = [written]
+        size.peers[peer.name] = sizes[:1]
         start.peers[peer.name] = "(starts as rewind does; a cold boot is the obvious way, not measured)"
         report.curve[peer.name] = points
         report.peers[peer.name] = "ok"
