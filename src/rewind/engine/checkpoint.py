@@ -62,7 +62,22 @@ def put_immutable(store: Store, caches: Caches, path: Path) -> BlobIndex:
     tmp = key.with_name(f".{key.name}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(blob.to_json()))
     os.replace(tmp, key)
+    _link_into(path, layer_path(caches, blob))
     return blob
+
+
+def _link_into(path: Path, dest: Path) -> None:
+    """Give an immutable file its cache name too, so restoring never unpacks a copy of it
+    (the image's root disk, say). Across file systems it is unpacked when first needed."""
+    if dest.exists():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
+    try:
+        os.link(path, tmp)
+    except OSError:
+        return
+    os.replace(tmp, dest)
 
 
 def adopt(path: Path, dest: Path) -> Path:
