@@ -53,9 +53,9 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
             ours.machines_and_exec(home, report, rounds, progress)
             bench = ours.checkpoints(home, report, rounds, quick, progress)
+            ours.guard(bench, report, rounds, progress)
             big, touched = ours.curve_machine(home, bench, quick)
             ours.memory_curve(big, touched, report, progress)
-            ours.guard(home, report, rounds, progress)
             run_peers(big, report, touched, rounds, progress)
         finally:
             for left in Sandbox.list(home=home):
