@@ -3,6 +3,7 @@ checkpoint cost against memory in use, and the guard."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -42,15 +43,28 @@ def du_mib(path: Path) -> float:
     return int(out.split()[0]) / 1024
 
 
-def mem_available_mib() -> float:
-    """Memory the host could still give, with its clean page cache dropped first: the file
-    pages a checkpoint leaves cached would hide what machines themselves take."""
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+def _rollup_kib(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0])
+    return fields
+
+
+def host_memory_mib(machines: list[Sandbox]) -> float:
+    """Host memory these machines add, each: their QEMUs' private pages, their network
+    filters' share, and the memory images on tmpfs they map (shared, counted once)."""
+    kib = 0
+    images = set()
+    for sbx in machines:
+        record = sbx._machine.record
+        qemu = _rollup_kib(record.pid)
+        kib += qemu["Private_Clean"] + qemu["Private_Dirty"]
+        filter_pid = int((sbx._machine.path / "net.pid").read_text())
+        kib += _rollup_kib(filter_pid)["Pss"]
+        images.add(record.ram)
+    kib += sum(os.stat(image).st_blocks // 2 for image in images if image)
+    return kib / 1024 / len(machines)
 
 
 def touch_memory(sbx: Sandbox, mib: int) -> None:
@@ -149,11 +163,10 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     report.add("branch_to_child_exec_s", "branch until the child's first exec", "s", branch_times, target=1.0)
     report.add("branch_source_pause_ms", "source pause during a branch", "ms", branch_pauses, target=100)
     for count in (1,) if quick else (1, 4, 8):
-        time.sleep(2)
-        before = mem_available_mib()
-        children = [sbx.fork(f"idle-{count}-{i}") for i in range(count)]
-        time.sleep(5)
-        per_child = (before - mem_available_mib()) / count
+        children = sbx._machine.engine.fork(sbx._machine, store, [f"idle-{count}-{i}" for i in range(count)])
+        children = [Sandbox(child) for child in children]  # branches of one moment, as `branch --count`
+        time.sleep(5)  # idle
+        per_child = host_memory_mib(children)
         for child in children:
             child.delete()
         report.add(f"memory_per_idle_child_{count}_mib",
