@@ -165,7 +165,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     for count in (1,) if quick else (1, 4, 8):
         children = sbx._machine.engine.fork(sbx._machine, store, [f"idle-{count}-{i}" for i in range(count)])
         children = [Sandbox(child) for child in children]  # branches of one moment, as `branch --count`
-        time.sleep(5)  # idle
+        time.sleep(3 if quick else 10)  # idle
         per_child = host_memory_mib(children)
         for child in children:
             child.delete()
@@ -208,8 +208,8 @@ def guard(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> None
                 for _ in range(n)]
 
     report.add("guard_none_added_ms", "`guarded` over plain exec: a read (none)", "ms",
-               added(5 * rounds, "cat f1 > /dev/null", cwd=PROJECT), target=5)
+               added(4 * rounds, "cat f1 > /dev/null", cwd=PROJECT), target=5)
     report.add("guard_git_added_ms", "`guarded` over plain exec: a project edit (git)", "ms",
-               added(5 * rounds, "echo x >> f1", cwd=PROJECT), target=100)
+               added(4 * rounds, "echo x >> f1", cwd=PROJECT), target=100)
     report.add("guard_fork_added_ms", "`guarded` over plain exec: a system change (fork, kept)", "ms",
                added(max(1, rounds // 2), "touch /etc/bench-marker"))

@@ -95,20 +95,13 @@ def classify(command: str | bytes, cwd: str | None = None) -> Decision:
 
 def checked_command(command: object, what: str = "command") -> str:
     """`command` as text, or InvalidArgument if it is empty, too long or not UTF-8."""
-    if isinstance(command, bytes):
-        data = command
-        try:
-            text = command.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidArgument(f"{what} is not valid UTF-8") from None
-    elif isinstance(command, str):
-        text = command
-        try:
-            data = command.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgument(f"{what} is not valid UTF-8") from None
-    else:
+    if not isinstance(command, str | bytes):
         raise InvalidArgument(f"{what} must be text, not {type(command).__name__}")
+    try:
+        text = command.decode("utf-8") if isinstance(command, bytes) else command
+        data = text.encode("utf-8")  # a str from undecodable bytes holds lone surrogates: refused here
+    except UnicodeError:
+        raise InvalidArgument(f"{what} is not valid UTF-8") from None
     if len(data) > MAX_COMMAND_BYTES:
         raise InvalidArgument(f"{what} is {len(data)} bytes long; the limit is {MAX_COMMAND_BYTES} bytes")
     if not text.strip():
