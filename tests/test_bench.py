@@ -16,6 +16,7 @@ EXPECTED = {
     "store_check_read_data_s", "restore_to_first_exec_s", "create_from_checkpoint_s",
     "branch_to_child_exec_s", "branch_source_pause_ms", "memory_per_idle_child_1_mib",
     "guard_none_added_ms", "guard_git_added_ms", "guard_fork_added_ms",
+    "curve_64_checkpoint_s", "curve_128_pause_ms", "curve_128_size_mib", "curve_restore_s",
 }
 
 

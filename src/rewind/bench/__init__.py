@@ -53,7 +53,7 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
             ours.machines_and_exec(home, report, rounds, progress)
             bench = ours.checkpoints(home, report, rounds, quick, progress)
-            ours.guard(bench, report, rounds, progress)
+            ours.guard(bench, report, quick, progress)
             big, touched = ours.curve_machine(home, bench, quick)
             ours.memory_curve(big, touched, report, progress)
             run_peers(big, report, touched, rounds, progress)

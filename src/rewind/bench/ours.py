@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rewind.bench.model import Report
 from rewind.home import Home
@@ -15,6 +16,7 @@ from rewind.sandbox import Sandbox
 from rewind.store import Store
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 
 # In the guest: stamp the clock every millisecond and log every gap over 3 ms, so the
 # pause a checkpoint causes is seen from inside, as a program in the guest would see it.
@@ -33,9 +35,13 @@ PROJECT = "/root/project"
 
 
 def timed(fn: Callable[[], object]) -> float:
+    return timed_result(fn)[0]
+
+
+def timed_result(fn: Callable[[], T]) -> tuple[float, T]:
     started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    result = fn()
+    return time.perf_counter() - started, result
 
 
 def du_mib(path: Path) -> float:
@@ -138,9 +144,10 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     report.add("store_check_read_data_s", "`rewind store check --read-data`", "s",
                [timed(lambda: store.check(read_data=True))])
 
+    heavy = 1 if quick else rounds  # rounds of the slow operations
     progress("restore in place, create from a checkpoint")
     restores, creates = [], []
-    for i in range(rounds):
+    for i in range(heavy):
         restores.append(timed(lambda: (sbx.restore("~1"), sbx.exec(["true"]))))
         started = time.perf_counter()
         made = Sandbox.create(f"from-{i}", home=home, from_checkpoint=first.id)
@@ -153,7 +160,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
 
     progress("branches: source pause, child's first exec, memory per idle child")
     branch_times, branch_pauses = [], []
-    for i in range(rounds):
+    for i in range(heavy):
         started = time.perf_counter()
         child = sbx.fork(f"child-{i}")
         child.exec(["true"])
@@ -184,18 +191,36 @@ def curve_machine(home: Home, bench: Sandbox, quick: bool) -> tuple[Sandbox, lis
     return sbx, [128, 512, 1024]
 
 
+def curve_keys(mib: int) -> tuple[str, str, str]:
+    """The metrics of one point of the curve: checkpoint time, guest pause, data written."""
+    return f"curve_{mib}_checkpoint_s", f"curve_{mib}_pause_ms", f"curve_{mib}_size_mib"
+
+
 def memory_curve(sbx: Sandbox, touched: list[int], report: Report, progress: Progress) -> None:
-    """Checkpoint time against guest memory in use."""
+    """Checkpoint cost against guest memory in use; the peers are measured on the same
+    machine and amounts (peers.py), so these rows compare like with like."""
+    memory = sbx.info().memory_mib
     progress(f"checkpoint cost against memory in use ({', '.join(map(str, touched))} MiB, "
-             f"{sbx.info().memory_mib} MiB machine)")
+             f"{memory} MiB machine)")
+    store = Store.open(sbx._machine.engine.home.store)
     points = []
     for mib in touched:
         touch_memory(sbx, mib)
-        points.append((mib, timed(sbx.checkpoint)))
+        seconds, point = timed_result(sbx.checkpoint)
+        points.append((mib, seconds))
+        call, pause, size = curve_keys(mib)
+        report.add(call, f"checkpoint with {mib} MiB in use ({memory} MiB machine)", "s", [seconds])
+        report.add(pause, f"guest pause with {mib} MiB in use (QEMU STOP to RESUME)", "ms",
+                   [store.get(point.id).meta["pause_s"] * 1000])
+        report.add(size, f"data a checkpoint adds with {mib} MiB in use", "MiB",
+                   [point.own_bytes / (1 << 20)])
     report.curve["rewind"] = points
+    report.add("curve_restore_s", f"restore in place until the first exec ({memory} MiB machine, "
+               f"{touched[-1]} MiB in use, its own checkpoint included)", "s",
+               [timed(lambda: (sbx.restore("~0"), sbx.exec(["true"])))])
 
 
-def guard(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> None:
+def guard(sbx: Sandbox, report: Report, quick: bool, progress: Progress) -> None:
     """The guard's added cost on `sbx` (a machine already checkpointed once): a read, an edit
     of a 50-file project, and a system change kept from its copy."""
     progress("guard: added cost of none, git and fork steps")
@@ -203,13 +228,18 @@ def guard(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> None
              f"head -c 4k /dev/urandom > f$i; done && git add . && "
              f"git -c user.name=b -c user.email=b@b commit -qm init", check=True)
     def added(n: int, step: str, cwd: str | None = None) -> list[float]:
-        """Plain and guarded runs in pairs, so that the guest's drift cancels out."""
-        return [(timed(lambda: sbx.guarded(step, cwd=cwd)) - timed(lambda: sbx.exec(step, cwd=cwd))) * 1000
-                for _ in range(n)]
+        """Plain and guarded runs in pairs, taking turns to go first, so the guest's drift
+        cancels out; a guest command's own time varies by tens of ms, hence many pairs."""
+        samples = []
+        for i in range(n):
+            plain, guarded = (lambda: sbx.exec(step, cwd=cwd)), (lambda: sbx.guarded(step, cwd=cwd))
+            first, second = (timed(guarded), timed(plain)) if i % 2 else (timed(plain), timed(guarded))
+            samples.append(((first - second) if i % 2 else (second - first)) * 1000)
+        return samples
 
     report.add("guard_none_added_ms", "`guarded` over plain exec: a read (none)", "ms",
-               added(4 * rounds, "cat f1 > /dev/null", cwd=PROJECT), target=5)
+               added(10 if quick else 40, "cat f1 > /dev/null", cwd=PROJECT), target=5)
     report.add("guard_git_added_ms", "`guarded` over plain exec: a project edit (git)", "ms",
-               added(4 * rounds, "echo x >> f1", cwd=PROJECT), target=100)
+               added(10 if quick else 40, "echo x >> f1", cwd=PROJECT), target=100)
     report.add("guard_fork_added_ms", "`guarded` over plain exec: a system change (fork, kept)", "ms",
-               added(max(1, rounds // 2), "touch /etc/bench-marker"))
+               added(1 if quick else 3, "touch /etc/bench-marker"))

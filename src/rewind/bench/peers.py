@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import Progress, du_mib, timed, touch_memory
+from rewind.bench.ours import Progress, curve_keys, du_mib, timed, touch_memory
 from rewind.engine.agent import AgentClient
 from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch
 from rewind.engine.qmp import Monitor
@@ -191,24 +191,24 @@ def run_peers(sbx: Sandbox, report: Report, touched: list[int], rounds: int, pro
     """Put each peer's figures beside ours in `report`. Plain QEMU works on `sbx`, the machine
     rewind's memory curve ran on, with the same memory in use."""
     start, exec_true = report.metric("start_to_first_exec_s"), report.metric("exec_true_ms")
-    pause, call = report.metric("checkpoint_pause_qemu_ms"), report.metric("checkpoint_call_s")
-    restore, size = report.metric("restore_to_first_exec_s"), report.metric("store_one_checkpoint_mib")
+    restore = report.metric("curve_restore_s")
+
+    def point(engine: str, mib: int, seconds: float, pause_ms: float | str, size_mib: float) -> None:
+        call_key, pause_key, size_key = curve_keys(mib)
+        report.metric(call_key).peers[engine] = [seconds]
+        report.metric(pause_key).peers[engine] = pause_ms if isinstance(pause_ms, str) else [pause_ms]
+        report.metric(size_key).peers[engine] = [size_mib]
 
     progress("peer: plain QEMU (stop, migrate to a file, qemu-img convert, -incoming)")
     peer = PlainQemu(sbx._machine.engine.home)
     try:
-        points, sizes = [], []
+        points = []
         for mib in touched:
             touch_memory(sbx, mib)
             stopped, written = peer.checkpoint(sbx)
             points.append((mib, stopped))
-            sizes.append(written)
-        restores = [peer.restore(sbx) for _ in range(max(1, rounds // 2))]
-        stops = [seconds for _, seconds in points]
-        pause.peers[peer.name] = [s * 1000 for s in stops]
-        call.peers[peer.name] = stops
-        restore.peers[peer.name] = restores
-        size.peers[peer.name] = sizes[:1]
+            point(peer.name, mib, stopped, stopped * 1000, written)
+        restore.peers[peer.name] = [peer.restore(sbx) for _ in range(max(1, rounds // 2))]
         start.peers[peer.name] = "(starts as rewind does; a cold boot is the obvious way, not measured)"
         report.curve[peer.name] = points
         report.peers[peer.name] = "ok"
@@ -223,18 +223,14 @@ def run_peers(sbx: Sandbox, report: Report, touched: list[int], rounds: int, pro
         gvisor = GVisor()
         start.peers[GVisor.name] = [gvisor.start()]
         exec_true.peers[GVisor.name] = [gvisor.exec_true() * 1000 for _ in range(10)]
-        points, calls, restores, sizes = [], [], [], []
+        points, restores = [], []
         for mib in touched:
             gvisor.touch_memory(mib)
             seconds, image_mib = gvisor.checkpoint()
             points.append((mib, seconds))
-            calls.append(seconds)
-            sizes.append(image_mib)
+            point(GVisor.name, mib, seconds, "(stopped by the checkpoint: all of it)", image_mib)
             restores.append(gvisor.restore(mib))
-        call.peers[GVisor.name] = calls
-        pause.peers[GVisor.name] = "(the container is stopped by a checkpoint: its pause is the whole call)"
         restore.peers[GVisor.name] = restores
-        size.peers[GVisor.name] = sizes[:1]
         report.curve[GVisor.name] = points
         report.peers[GVisor.name] = "ok"
     except (PeerUnavailable, OSError, subprocess.SubprocessError) as e:
