@@ -257,12 +257,15 @@ def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...],
               help="Write every raw sample and the machine's description to this file.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="PNG of checkpoint cost against memory in use (default: the --json file's name, .png).")
-def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str | None) -> None:
+@click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write the table in Markdown to this file.")
+def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str | None,
+          markdown_path: str | None) -> None:
     """Measure what each step costs, beside plain QEMU and gVisor, and print one table."""
     from rewind.bench import output, run  # the benchmark's imports are heavy: only for this verb
 
     plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
-    for path in (json_path, plot):  # fail now, not after minutes of measuring
+    for path in (json_path, plot, markdown_path):  # fail now, not after minutes of measuring
         if path and not Path(path).resolve().parent.is_dir():
             raise InvalidArgument(f"cannot write {path}: its folder does not exist")
     if plot:
@@ -272,6 +275,8 @@ def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str
     Console(width=200).print(output.table(result))
     if json_path:
         output.write_json(result, Path(json_path))
+    if markdown_path:
+        Path(markdown_path).write_text(output.markdown(result.to_json()))
     if plot:
         output.write_plot(result, Path(plot))
     click.echo(f"done in {result.seconds:.0f} s" + (f"; raw samples in {json_path}" if json_path else "")

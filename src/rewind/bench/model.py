@@ -29,10 +29,6 @@ class Metric:
             return None
         return self.median < self.target
 
-    def peer_median(self, engine: str) -> float | None:
-        value = self.peers.get(engine)
-        return statistics.median(value) if isinstance(value, list) and value else None
-
 
 @dataclass
 class Report:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 from rich.table import Table
@@ -19,32 +20,47 @@ def _figure(value: float | None, unit: str) -> str:
     return f"{value:.{digits}f} {unit}"
 
 
-def table(report: Report) -> Table:
-    engines = list(report.peers)
-    mode = "quick" if report.quick else "full"
-    t = Table(title=f"rewind bench ({mode}, {report.machine.get('accel', '?')}, {report.rounds} rounds)")
-    for column in ("what", "median", "min - max", "target", *(f"{e} (x rewind)" for e in engines)):
-        t.add_column(column)
-    for m in report.metrics:
-        spread = f"{_figure(min(m.samples), m.unit)} - {_figure(max(m.samples), m.unit)}" \
-            if len(m.samples) > 1 else ""
-        if m.target is None:
-            target = ""
-        else:
-            target = f"< {_figure(m.target, m.unit)}: " + ("[green]met[/]" if m.met else "[red]missed[/]")
+def rows(data: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of a run's table, from its JSON (Report.to_json): each figure with its
+    spread, its target and whether it was met, and each peer's figure as a ratio to ours."""
+    engines = list(data["peers"])
+    header = ["what", "median", "min - max", "target", *(f"{e} (x rewind)" for e in engines)]
+    body = []
+    for m in data["metrics"]:
+        unit, samples = m["unit"], m["samples"]
+        spread = f"{_figure(min(samples), unit)} - {_figure(max(samples), unit)}" if len(samples) > 1 else ""
+        target = "" if m["target"] is None else \
+            f"< {_figure(m['target'], unit)}: {'met' if m['met'] else 'missed'}"
         cells = []
         for engine in engines:
-            value = m.peers.get(engine)
-            if isinstance(value, str):
-                cells.append(f"[dim]{value}[/]")
-            elif value:
-                median = m.peer_median(engine)
-                ratio = f" ({median / m.median:.2f}x)" if median is not None and m.median else ""
-                cells.append(_figure(median, m.unit) + ratio)
-            else:
-                cells.append("")
-        t.add_row(m.what, _figure(m.median, m.unit), spread, target, *cells)
+            value = m["peers"].get(engine)
+            if isinstance(value, list) and value:
+                median = statistics.median(value)
+                ratio = f" ({median / m['median']:.2f}x)" if m["median"] else ""
+                value = _figure(median, unit) + ratio
+            cells.append(value or "")
+        body.append([m["what"], _figure(m["median"], unit), spread, target, *cells])
+    return header, body
+
+
+def table(report: Report) -> Table:
+    mode = "quick" if report.quick else "full"
+    t = Table(title=f"rewind bench ({mode}, {report.machine.get('accel', '?')}, {report.rounds} rounds)")
+    header, body = rows(report.to_json())
+    for column in header:
+        t.add_column(column)
+    for row in body:
+        row[3] = row[3].replace("missed", "[red]missed[/]").replace("met", "[green]met[/]")
+        t.add_row(*row)
     return t
+
+
+def markdown(data: dict) -> str:
+    """The same table in Markdown, for the README."""
+    header, body = rows(data)
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    lines += [" | ".join(cell.replace("missed", "**missed**") for cell in row) for row in body]
+    return "".join(f"| {line} |\n" for line in lines)
 
 
 def write_json(report: Report, path: Path) -> None:
