@@ -177,7 +177,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
         for child in children:
             child.delete()
         report.add(f"memory_per_idle_child_{count}_mib",
-                   f"host memory added per idle child, {count} children", "MiB", [per_child], target=64)
+                   f"host memory added per idle child, {count} idle", "MiB", [per_child], target=64)
     return sbx
 
 
