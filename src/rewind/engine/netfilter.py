@@ -178,10 +178,10 @@ async def _connect(path: str, deadline: float) -> tuple[asyncio.StreamReader, as
 
 async def _run(rules: NetworkRules, ready: int) -> None:
     deadline = time.monotonic() + CONNECT_TIMEOUT
-    # Keep both halves of each connection: a dropped StreamWriter closes its socket.
+    # Keep every writer, even the one we never write to: a dropped StreamWriter closes its socket.
     from_guest, from_guest_w = await _connect(FROM_GUEST, deadline)
-    to_net_r, to_net = await _connect(TO_NET, deadline)
-    to_guest_r, to_guest = await _connect(TO_GUEST, deadline)
+    _, to_net = await _connect(TO_NET, deadline)
+    _, to_guest = await _connect(TO_GUEST, deadline)
     flt = Filter(rules, to_net, to_guest)
     Path(CONTROL).unlink(missing_ok=True)
     server = await asyncio.start_unix_server(flt.control, path=CONTROL)
