@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+from pathlib import Path
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import rewind.engine.agent as agent_module
+from rewind.engine.agent import AgentClient
+from rewind.errors import AgentGone
 from rewind.guest.protocol import MAGIC, Decoder, encode
 
 headers = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=20)), max_size=4)
@@ -41,3 +49,72 @@ def test_truncated_frame_waits_for_the_rest() -> None:
     assert dec.next() is None
     dec.feed(wire[-1:])
     assert dec.next() == ({"t": "data"}, b"x" * 100)
+
+
+# ---- the host client's heartbeats, against a scripted agent on a unix socket ----
+
+
+class ScriptedAgent:
+    """Answers hello, then runs `script(conn, request)` on the first request."""
+
+    def __init__(self, path: Path, script) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(1)
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script) -> None:
+        conn, _ = self.server.accept()
+        with conn:
+            for header in frames_of(conn):
+                if header["t"] == "hello":
+                    conn.sendall(encode({"t": "hello", "nonce": header["nonce"]}))
+                else:
+                    script(conn, header, frames_of(conn))
+                    return
+
+    def close(self) -> None:
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+def frames_of(conn: socket.socket):
+    dec = Decoder()
+    while True:
+        while (frame := dec.next()) is not None:
+            yield frame[0]
+        data = conn.recv(65536)
+        if not data:
+            return
+        dec.feed(data)
+
+
+def exit_frame() -> bytes:
+    return encode({"t": "exit", "code": 0, "timed_out": False, "truncated": [False, False]})
+
+
+def test_a_late_pong_from_an_earlier_request_is_not_taken_for_a_restart(tmp_path: Path) -> None:
+    """The agent answers a heartbeat of the previous request after that request ended:
+    the idle pong reaches the next request, which must not think the agent restarted."""
+    def script(conn, _request, _rest) -> None:
+        conn.sendall(encode({"t": "pong", "id": "earlier", "busy": False}) + exit_frame())
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    with AgentClient(tmp_path / "a.sock") as client:
+        assert client.exec(["true"]).exit_code == 0
+    agent.close()
+
+
+def test_an_idle_answer_to_this_requests_heartbeat_means_a_restart(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(agent_module, "HEARTBEAT_AFTER", 0.1)
+
+    def script(conn, _request, rest) -> None:
+        ping = next(rest)  # silent until the client pings, then answer as a fresh agent would
+        assert ping["t"] == "ping"
+        conn.sendall(encode({"t": "pong", "id": ping["id"], "busy": False}))
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    with AgentClient(tmp_path / "a.sock") as client, pytest.raises(AgentGone, match="restarted"):
+        client.exec(["sleep", "9"])
+    agent.close()

@@ -57,6 +57,9 @@ class AgentClient:
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._decoder = Decoder()
+        # Heartbeats of the request being served. An idle pong answering one of these means the
+        # agent restarted; other pongs are late answers to earlier requests' heartbeats.
+        self._heartbeats: set[str] = set()
 
     # ---- session ----
 
@@ -98,6 +101,16 @@ class AgentClient:
             self._alive()
             raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
 
+    def _request(self, header: dict) -> None:
+        """Send the first frame of a new request."""
+        self._heartbeats.clear()
+        self._send(header)
+
+    def _heartbeat(self) -> str:
+        beat = uuid.uuid4().hex[:12]
+        self._send({"t": "ping", "id": beat})
+        return beat
+
     def _recv(self, until: float | None = None) -> tuple[dict | None, bytes]:
         """Next frame; (None, b"") if `until` passes first."""
         assert self._sock is not None
@@ -131,12 +144,12 @@ class AgentClient:
             header, payload = self._recv(until=time.monotonic() + HEARTBEAT_AFTER)
             if header is None:
                 self._alive()
-                self._send({"t": "ping"})
+                self._heartbeats.add(self._heartbeat())
                 header, payload = self._recv(until=time.monotonic() + HEARTBEAT_GRACE)
                 if header is None:
                     self._alive()
                     raise AgentGone("the guest agent stopped answering (killed, or the guest hung)")
-            if header.get("t") == "pong" and not header.get("busy"):
+            if header.get("t") == "pong" and not header.get("busy") and header.get("id") in self._heartbeats:
                 # An idle agent answered: the one serving this request is gone (killed and restarted).
                 raise AgentGone("the guest agent restarted while serving this request (was it killed?); "
                                 "the request's outcome is unknown")
@@ -156,14 +169,14 @@ class AgentClient:
 
     def ping(self) -> float:
         """The guest's uptime in seconds."""
-        self._send({"t": "ping"})
+        beat = self._heartbeat()
         deadline = time.monotonic() + HEARTBEAT_GRACE
         while True:
             header, _ = self._recv(until=deadline)
             if header is None:
                 self._alive()
                 raise AgentGone("the guest agent did not answer a ping")
-            if header.get("t") == "pong":
+            if header.get("t") == "pong" and header.get("id") == beat:
                 return float(header.get("uptime", 0.0))
 
     def _reply_of(self, kind: str) -> tuple[dict, bytes]:
@@ -180,7 +193,7 @@ class AgentClient:
                          "stdin": stdin is not None}
         if max_output is not None:
             request["max_output"] = max_output
-        self._send(request)
+        self._request(request)
         if stdin is not None:
             for at in range(0, len(stdin), CHUNK):
                 self._send({"t": "stdin"}, stdin[at : at + CHUNK])
@@ -212,7 +225,7 @@ class AgentClient:
 
     def read_file(self, path: str, sink: BinaryIO) -> int:
         """Copy a guest file into `sink`; returns its mode bits."""
-        self._send({"t": "read", "path": path})
+        self._request({"t": "read", "path": path})
         header, _ = self._reply_of("file")
         mode = int(header.get("mode", 0o644))
         while True:
@@ -229,7 +242,7 @@ class AgentClient:
         request: dict = {"t": "write", "path": path}
         if mode is not None:
             request["mode"] = mode
-        self._send(request)
+        self._request(request)
         self._reply_of("ready")
         while block := source.read(CHUNK):
             self._send({"t": "data"}, block)
@@ -239,7 +252,7 @@ class AgentClient:
     @contextmanager
     def frozen(self) -> Iterator[None]:
         """Hold the guest's root file system frozen (flushed, no writes) inside the block."""
-        self._send({"t": "freeze"})
+        self._request({"t": "freeze"})
         self._reply_of("frozen")
         try:
             yield
@@ -249,11 +262,11 @@ class AgentClient:
 
     def git(self, action: str, folder: str) -> dict:
         """The git tier in the guest: `save` or `restore` a project folder (see guest/gittier.py)."""
-        self._send({"t": "git", "action": action, "folder": folder})
+        self._request({"t": "git", "action": action, "folder": folder})
         header, _ = self._reply_of("ok")
         return {k: v for k, v in header.items() if k != "t"}
 
     def set_identity(self, **fields: object) -> None:
         """Hostname, machine id, MAC, entropy seed and clock, applied in the guest."""
-        self._send({"t": "identity", **fields})
+        self._request({"t": "identity", **fields})
         self._reply_of("ok")

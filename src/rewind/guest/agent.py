@@ -281,7 +281,7 @@ def run_process(port: Port, proc: subprocess.Popen, timeout: float | None, cap: 
                         elif header.get("t") == "stdin_end":
                             stdin_closing = True
                         elif header.get("t") == "ping":
-                            port.send({"t": "pong", "busy": True})
+                            port.send(pong(header, busy=True))
                         elif header.get("t") == "signal":
                             os.killpg(proc.pid, int(header.get("signal", signal.SIGTERM)))
                 elif fd == stdin_fd:
@@ -382,7 +382,7 @@ def handle_write(port: Port, req: dict, _payload: bytes) -> None:
             elif header.get("t") == "end":
                 break
             elif header.get("t") == "ping":
-                port.send({"t": "pong", "busy": True})
+                port.send(pong(header, busy=True))
             else:
                 raise RequestError("bad_request", f"unexpected frame during write: {header.get('t')}")
         if "mode" in req:
@@ -444,8 +444,15 @@ def write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def handle_ping(port: Port, _req: dict, _payload: bytes) -> None:
-    port.send({"t": "pong", "uptime": time.clock_gettime(time.CLOCK_BOOTTIME)})
+def pong(ping: dict, busy: bool) -> dict:
+    """The answer to a ping. It carries the ping's id, so the host can tell a late answer
+    to an earlier request's heartbeat from one to the current request's."""
+    uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return {"t": "pong", "id": ping.get("id"), "busy": busy, "uptime": uptime}
+
+
+def handle_ping(port: Port, req: dict, _payload: bytes) -> None:
+    port.send(pong(req, busy=False))
 
 
 FIFREEZE = 0xC0045877
@@ -484,7 +491,7 @@ def handle_freeze(port: Port, _req: dict, _payload: bytes) -> None:
             if header.get("t") == "thaw":
                 break
             if header.get("t") == "ping":
-                port.send({"t": "pong", "busy": True})
+                port.send(pong(header, busy=True))
     except TimeoutError:
         pass
     finally:
