@@ -20,7 +20,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -363,21 +363,22 @@ class Machine:
     # ---- checkpoints ----
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY) -> CheckpointManifest:
-        """Save memory, devices and disk as of one instant into `store`; the machine runs on."""
+                   history: int = HISTORY, live: bool = True) -> CheckpointManifest:
+        """Save memory, devices and disk as of one instant into `store`; the machine runs on,
+        unless not `live`: then its guest is left stopped, for a caller about to end it."""
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
-                return self._checkpoint(store, name, labels, history)
+                return self._checkpoint(store, name, labels, history, live)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int) -> CheckpointManifest:
+                    history: int, live: bool) -> CheckpointManifest:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
         caches.ram.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(4)
-        with self.agent() as agent, self.monitor() as mon:
+        with self.agent() if live else nullcontext() as agent, self.monitor() as mon:
             r = self.record
             self._reconcile_disks(mon)
             for stale in [*caches.ram.glob(f".capture-{r.uuid}-*"), *self.path.glob(".devstate-*")]:
@@ -431,12 +432,11 @@ class Machine:
         if shape != (self.record.memory_mib, self.record.cpus):
             raise InvalidArgument(f"checkpoint {target.id[:12]} is of a {target.meta.get('memory_mib')} MiB, "
                                   f"{target.meta.get('cpus')}-vCPU machine; restore it as a new machine")
-        if self.status() == "running":
-            self.checkpoint(store, labels={"auto": "before-restore"})
         state = state_of(store, Caches.of(self.engine.home.root, self.engine.home.runtime), target)
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.status() == "running":
+                self.checkpoint(store, labels={"auto": "before-restore"}, live=False)
                 self._shutdown(flush=False)
             self._cleanup_runtime()
             r = self.record

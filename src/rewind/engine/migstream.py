@@ -54,45 +54,115 @@ class SplitResult:
 
 
 class _Reader:
+    """Buffered reads with offsets into one large buffer (per-record slicing is the cost)."""
+
     def __init__(self, src: BinaryIO) -> None:
         self._src = src
-        self._buf = b""
-        self._pos = 0
+        self.buf = b""
+        self.pos = 0
+
+    def ensure(self, n: int) -> None:
+        """At least `n` bytes are buffered from `pos` on."""
+        if self.pos + n <= len(self.buf):
+            return
+        parts = [self.buf[self.pos :]]
+        have = len(parts[0])
+        while have < n:
+            more = self._src.read(max(n - have, 1 << 20))
+            if not more:
+                raise StreamError("the migration stream ended early")
+            parts.append(more)
+            have += len(more)
+        self.buf, self.pos = b"".join(parts), 0
 
     def read(self, n: int) -> bytes:
-        if self._pos + n > len(self._buf):
-            rest = self._buf[self._pos :]
-            need = n - len(rest)
-            chunk = self._src.read(max(need, 1 << 20))
-            while len(chunk) < need:
-                more = self._src.read(need - len(chunk))
-                if not more:
-                    raise StreamError("the migration stream ended early")
-                chunk += more
-            self._buf, self._pos = rest + chunk, 0
-        out = self._buf[self._pos : self._pos + n]
-        self._pos += n
+        self.ensure(n)
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def view(self, n: int) -> memoryview:
+        """The next `n` bytes without copying them (valid while the caller holds the view)."""
+        self.ensure(n)
+        out = memoryview(self.buf)[self.pos : self.pos + n]
+        self.pos += n
         return out
 
     def u8(self) -> int:
-        return self.read(1)[0]
+        self.ensure(1)
+        self.pos += 1
+        return self.buf[self.pos - 1]
 
     def be32(self) -> int:
-        return struct.unpack(">I", self.read(4))[0]
+        self.ensure(4)
+        self.pos += 4
+        return _BE32.unpack_from(self.buf, self.pos - 4)[0]
 
     def be64(self) -> int:
-        return struct.unpack(">Q", self.read(8))[0]
+        self.ensure(8)
+        self.pos += 8
+        return _BE64.unpack_from(self.buf, self.pos - 8)[0]
 
     def peek_u8(self) -> int:
-        value = self.u8()
-        self._pos -= 1
-        return value
+        self.ensure(1)
+        return self.buf[self.pos]
 
     def rest(self) -> bytes:
         """Everything left: what is buffered, then the source to its end."""
-        out = self._buf[self._pos :] + self._src.read()
-        self._buf, self._pos = b"", 0
+        out = self.buf[self.pos :] + self._src.read()
+        self.buf, self.pos = b"", 0
         return out
+
+
+_BE32, _BE64 = struct.Struct(">I"), struct.Struct(">Q")
+_IOV_MAX = 1024
+
+
+class _RunWriter:
+    """Writes pages to the raw file, one pwritev per run of consecutive pages."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.start = self.next = -1
+        self.parts: list[memoryview | bytes] = []
+
+    def page(self, addr: int, data: memoryview | bytes) -> None:
+        if addr != self.next or len(self.parts) == _IOV_MAX:
+            self.flush()
+            self.start = addr
+        self.parts.append(data)
+        self.next = addr + PAGE_SIZE
+
+    def flush(self) -> None:
+        if self.parts:
+            os.pwritev(self.fd, self.parts, self.start)
+            self.parts.clear()
+        self.next = -1
+
+
+_CONTINUED_ZERO, _CONTINUED_PAGE = FLAG_CONTINUE | FLAG_ZERO, FLAG_CONTINUE | FLAG_PAGE
+
+
+def _main_block_run(r: _Reader, pages_out: _RunWriter, zeros: int, pages: int) -> tuple[int, int]:
+    """The common case, in a tight loop: buffered records continuing the main block, each a
+    zero page or a whole page. Stops at anything else, for the general loop to handle."""
+    buf, pos = r.buf, r.pos
+    view, last = memoryview(buf), len(buf) - (8 + PAGE_SIZE)
+    unpack, page = _BE64.unpack_from, pages_out.page
+    while pos <= last:
+        word = unpack(buf, pos)[0]
+        flags = word & FLAGS_MASK
+        if flags == _CONTINUED_ZERO and buf[pos + 8] == 0:
+            zeros += 1
+            pos += 9
+        elif flags == _CONTINUED_PAGE:
+            page(word & ~FLAGS_MASK, view[pos + 8 : pos + 8 + PAGE_SIZE])
+            pages += 1
+            pos += 8 + PAGE_SIZE
+        else:
+            break
+    r.pos = pos
+    return zeros, pages
 
 
 def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: BinaryIO) -> SplitResult:
@@ -127,12 +197,15 @@ def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: Bina
     put(r.read(8))  # instance id, version id
 
     ram_bytes = pages = zeros = 0
+    pages_out = _RunWriter(ram_out)
     block = b""
     in_main = False
     section_type = SECTION_START
     while True:
         # One RAM section's payload, up to its EOS.
         while True:
+            if in_main:
+                zeros, pages = _main_block_run(r, pages_out, zeros, pages)
             word = r.be64()
             flags, addr = word & FLAGS_MASK, word & ~FLAGS_MASK
             if flags & FLAG_UNSUPPORTED:
@@ -158,17 +231,15 @@ def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: Bina
                     fill = r.read(1)
                     if in_main:
                         if fill != b"\0":
-                            os.pwrite(ram_out, fill * PAGE_SIZE, addr)
+                            pages_out.page(addr, fill * PAGE_SIZE)
                         zeros += 1
                     else:
                         put(struct.pack(">QB", addr | FLAG_ZERO, len(block)) + block + fill)
+                elif in_main:
+                    pages_out.page(addr, r.view(PAGE_SIZE))
+                    pages += 1
                 else:
-                    data = r.read(PAGE_SIZE)
-                    if in_main:
-                        os.pwrite(ram_out, data, addr)
-                        pages += 1
-                    else:
-                        put(struct.pack(">QB", addr | FLAG_PAGE, len(block)) + block + data)
+                    put(struct.pack(">QB", addr | FLAG_PAGE, len(block)) + block + r.read(PAGE_SIZE))
             if flags & FLAG_EOS:
                 put(struct.pack(">Q", FLAG_EOS))
                 break
@@ -180,6 +251,7 @@ def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: Bina
         if r.be32() != ram_section:
             raise StreamError("a section of another device interrupts the RAM data")
         put(bytes([section_type]) + struct.pack(">I", ram_section))
+    pages_out.flush()
     put(r.rest())
     os.ftruncate(ram_out, ram_bytes)
     return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)

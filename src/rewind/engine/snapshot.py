@@ -30,6 +30,9 @@ from rewind.engine.qmp import Monitor, MonitorError
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
 CAPTURE_TIMEOUT = 300.0
+# QEMU caps migration at 128 MiB/s by default (meant for live migration over a shared
+# network); a capture written to local tmpfs has no reason to wait for that.
+UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,15 @@ class Capture:
     split: SplitResult
 
 
-def capture(mon: Monitor, agent: AgentClient, *, top_node: str, new_top_file: Path,
+def capture(mon: Monitor, agent: AgentClient | None, *, top_node: str, new_top_file: Path,
             new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
-    backing file) afterwards."""
+    backing file) afterwards.
+
+    With the guest agent, the capture is live (the guest runs on). Without it, the guest is
+    stopped for good, for a caller that ends this QEMU next (a restore saving the state it
+    leaves): a stopped guest's memory and disk agree as they are, and a plain migration of
+    it is faster than a background one."""
     started = time.monotonic()
     done = devstate_out.with_name(devstate_out.name + ".done")
     done.unlink(missing_ok=True)
@@ -65,25 +73,42 @@ def capture(mon: Monitor, agent: AgentClient, *, top_node: str, new_top_file: Pa
         with contextlib.suppress(MonitorError):
             mon.wait_migration(CAPTURE_TIMEOUT)
     mon.cmd("migrate-set-capabilities", capabilities=[
-        {"capability": "background-snapshot", "state": True},
+        {"capability": "background-snapshot", "state": agent is not None},
         {"capability": "x-ignore-shared", "state": True}])
+    mon.cmd("migrate-set-parameters", **UNLIMITED_BANDWIDTH)
     # The new top is attached by node, not by a backing file name written into it: layers
     # move between directories, and QEMU's name for an explicit chain outgrows qcow2's field.
     with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
         mon.cmd("blockdev-del", **{"node-name": new_top_node})
     mon.cmd("blockdev-add", driver="qcow2", backing=None,
             file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
-    with agent.frozen():
+
+    def start() -> None:
         mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
         mon.cmd("migrate", uri=f"exec:{splitter}")
-        stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
-        resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
-    mon.wait_migration(CAPTURE_TIMEOUT)
+
+    if agent is None:
+        mon.cmd("stop")
+        stopped = time.time()
+        try:
+            start()
+            mon.wait_migration(CAPTURE_TIMEOUT)
+        except BaseException:
+            with contextlib.suppress(MonitorError):
+                mon.cmd("cont")  # the machine survives a capture that failed
+            raise
+        pause_s = time.time() - stopped
+    else:
+        with agent.frozen():
+            start()
+            stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+            resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+        mon.wait_migration(CAPTURE_TIMEOUT)
+        pause_s = _event_time(resume) - _event_time(stop)
     result = _wait_for(done, CAPTURE_TIMEOUT)
     if "error" in result:
         raise StreamError(f"splitting the memory stream failed: {result['error']}")
-    return Capture(ram=ram_out, devstate=devstate_out,
-                   pause_s=_event_time(resume) - _event_time(stop),
+    return Capture(ram=ram_out, devstate=devstate_out, pause_s=pause_s,
                    seconds=time.monotonic() - started, split=SplitResult(**result))
 
 

@@ -101,6 +101,7 @@ class Store:
         self.lock_timeout = lock_timeout
         self._zero = bytes(chunk_size)
         self._tmp = root / "tmp"
+        self._chunks = os.fspath(root / "chunks")
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, chunk_size={self.chunk_size})"
@@ -222,11 +223,11 @@ class Store:
     def _store_chunk(self, data: bytes) -> tuple[str, Path | None]:
         """Hash a chunk and add it unless present; returns its hash and, if written, its directory."""
         h = chunk_hash(data)
-        path = self._chunk_path(h)
-        if path.exists():
+        path = self._chunk_file(h)
+        if os.path.exists(path):
             return h, None
         os.rename(write_tmp(self._tmp, encode_chunk(data)), path)
-        return h, path.parent
+        return h, Path(path).parent
 
     def commit(self, machine: str, blobs: dict[str, BlobIndex],
                parent: str | CheckpointManifest | None = None, name: str | None = None,
@@ -259,9 +260,10 @@ class Store:
                 id=_new_id(), name=name, machine=machine, parent=base.id if base else None,
                 created=time.time(), labels=labels, blobs=dict(blobs), meta=meta, own_bytes=0,
                 history=[base.entry(), *base.history][:history] if base else [])
+            # Chunks its parent holds are safe from gc (the parent refers to them); only the
+            # others are checked to be there, and they are the checkpoint's own data.
             inherited = base.hashes() if base else set()
-            manifest.own_bytes = sum(size for h, size in self._chunk_sizes(manifest.hashes()).items()
-                                     if h not in inherited)
+            manifest.own_bytes = sum(self._chunk_sizes(manifest.hashes() - inherited).values())
             self._write_manifest(manifest)
         return manifest
 
@@ -271,7 +273,7 @@ class Store:
         sizes, missing = {}, []
         for h in hashes:
             try:
-                sizes[h] = self._chunk_path(h).stat().st_size
+                sizes[h] = os.stat(self._chunk_file(h)).st_size
             except FileNotFoundError:
                 missing.append(h)
         if missing:
@@ -394,10 +396,13 @@ class Store:
 
     def has_chunks(self, blob: BlobIndex) -> bool:
         """True if every chunk `blob` needs is in the store (its bytes are not checked)."""
-        return all(self._chunk_path(h).exists() for h in blob.hashes())
+        return all(os.path.exists(self._chunk_file(h)) for h in blob.hashes())
+
+    def _chunk_file(self, h: str) -> str:
+        return f"{self._chunks}/{h[:2]}/{h}"  # a str: pathlib's parsing shows up when done per chunk
 
     def _chunk_path(self, h: str) -> Path:
-        return self.root / "chunks" / h[:2] / h
+        return Path(self._chunk_file(h))
 
     def _read_stored(self, h: str) -> bytes:
         """A chunk's file as stored (compressed)."""
