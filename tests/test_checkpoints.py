@@ -12,7 +12,8 @@ import time
 import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
-from rewind.store import CorruptChunk, Store
+from rewind.engine import pending
+from rewind.store import CheckpointExists, CorruptChunk, Store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
 # first that the file still holds what it last wrote. Memory and disk captured at different
@@ -116,7 +117,7 @@ def test_deleting_middle_points_keeps_the_newest_whole(home: Home) -> None:
     sbx = Sandbox.create("chain", home=home)
     for step in range(4):
         sbx.files.write("/root/step", str(step))
-        sbx.checkpoint(name=f"c{step}")
+        sbx.checkpoint(name=f"c{step}", wait=True)  # in the store, for the store's own API below
     store = Store.open(home.store)
     store.delete("c1")
     store.delete("c2")
@@ -146,7 +147,7 @@ def test_fork_runs_side_by_side_with_its_own_identity(home: Home) -> None:
 
 def test_a_corrupt_chunk_is_found_and_refused(home: Home) -> None:
     sbx = Sandbox.create("corrupt", home=home)
-    point = sbx.checkpoint(name="p")
+    point = sbx.checkpoint(name="p", wait=True)
     store = Store.open(home.store)
     manifest = store.get(point.id)
     victim = next(h for h in manifest.blobs["devstate"].chunks if h)
@@ -169,20 +170,25 @@ def test_checkpoint_errors(home: Home) -> None:
         sbx.restore("nosuchpoint")
     with pytest.raises(LookupError):
         sbx.restore("~5")
-    outcome: dict[str, object] = {}
+    outcome: list[str] = []
+    together = threading.Barrier(2)
 
-    def second() -> None:
-        time.sleep(0.3)
+    def one() -> None:
+        together.wait()
         try:
-            sbx.checkpoint()
+            outcome.append(sbx.checkpoint().id)
         except Busy as e:
-            outcome["busy"] = str(e)
+            outcome.append(str(e))
 
-    t = threading.Thread(target=second)
-    t.start()
-    sbx.checkpoint()
-    t.join()
-    assert "already running" in str(outcome.get("busy"))
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum("already running" in o for o in outcome) == 1, outcome
+    sbx.checkpoint(name="taken")
+    with pytest.raises(CheckpointExists):
+        sbx.checkpoint(name="taken")
     sbx.stop()
     with pytest.raises(MachineNotRunning):
         sbx.checkpoint()
@@ -208,4 +214,28 @@ def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
     sbx.files.write("/root/after", "changed")
     sbx.restore(last.id)
     assert sbx.files.read_text("/root/after") == "written"
+    assert Store.open(home.store).check(read_data=True).ok
+
+
+def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    sbx = Sandbox.create("later", home=home)
+    sbx.files.write("/root/f", "one")
+    first = sbx.checkpoint(name="one")
+    assert first.own_bytes is None  # captured; its memory is still being written and stored
+    assert [c.id for c in sbx.history()] == [first.id]  # anything reading checkpoints waits for it
+    assert sbx.history()[0].own_bytes > 0
+
+    # A committer that dies (here: never starts) leaves its journal; the next reader commits it.
+    monkeypatch.setattr(pending, "start_committer", lambda *_: None)
+    sbx.files.write("/root/f", "two")
+    second = sbx.checkpoint(name="two")
+    assert list((home.root / "pending").glob("*.json")), "no journal for the pending checkpoint"
+    assert [c.id for c in sbx.history()] == [second.id, first.id]
+    assert not list((home.root / "pending").glob("*.json"))
+    sbx.files.write("/root/f", "three")
+    sbx.restore("one")
+    assert sbx.files.read_text("/root/f") == "one"
+    sbx.restore("two")
+    assert sbx.files.read_text("/root/f") == "two"
     assert Store.open(home.store).check(read_data=True).ok

@@ -84,7 +84,7 @@ def test_checkpoint_verbs(home: Home, tmp_path: Path) -> None:
     r = rewind_cli("checkpoint", "ck", "--name", "one", "-o", str(tmp_path / "one.ckpt"), "--json")
     assert r.returncode == 0, r.stderr
     first = json.loads(r.stdout)
-    assert first["name"] == "one" and first["pause_ms"] >= 0
+    assert first["name"] == "one" and first["pause_ms"] >= 0 and first["own_bytes"] is None
     rewind_cli("exec", "ck", "--", "echo two > /root/v")
     assert rewind_cli("checkpoint", "ck", "--name", "two", "--label", "k=v").returncode == 0
 

@@ -209,7 +209,7 @@ def test_history_survives_deleting_the_middle_and_gc(store: Store, tmp_path: Pat
 
 def test_ref_errors(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = iter(["aaaaaaaa" + "0" * 24, "aaaaaaaa" + "1" * 24, "bbbbbbbb" + "0" * 24])
-    monkeypatch.setattr(store_module, "_new_id", lambda: next(ids))
+    monkeypatch.setattr(store_module, "new_checkpoint_id", lambda: next(ids))
     a, b, c = chain(store, [rand(CS, seed=i) for i in range(3)], history=1)
     with pytest.raises(BadRef, match="'aaaaaaaa' matches 2 checkpoints"):
         store.get("aaaaaaaa")

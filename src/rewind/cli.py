@@ -353,7 +353,10 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
 
 
 def _store(store_dir: str | None) -> Store:
-    return open_store(Engine().home, store_dir)
+    """The store, with every checkpoint still being stored in it (see engine/pending.py)."""
+    engine = Engine()
+    engine.settle()
+    return open_store(engine.home, store_dir)
 
 
 def _point(store: Store, source: str) -> CheckpointManifest:
@@ -396,26 +399,31 @@ def _print_points(points: list[Checkpoint]) -> None:
               help="Also write the checkpoint (its index and history) to this file.")
 @click.option("--history", default=32, show_default=True, type=click.IntRange(min=0),
               help="Earlier points kept inside the checkpoint.")
+@click.option("--wait", is_flag=True,
+              help="Return once it is in the store, not once it is captured.")
 @store_option
 @json_option
 def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], output: str | None, history: int,
-               store_dir: str | None, as_json: bool) -> None:
+               wait: bool, store_dir: str | None, as_json: bool) -> None:
     """Save machine NAME whole (memory, processes, disk) as of now; it runs on."""
     started = time.monotonic()
     sbx = Sandbox.get(name, store=store_dir)
-    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), history=history)
-    manifest = _store(store_dir).get(point.id)
+    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), history=history, wait=wait)
+    captured = round(time.monotonic() - started, 3)
     if output:
+        manifest = _store(store_dir).get(point.id)
         tmp = Path(output).with_name(f".{Path(output).name}.tmp")
         tmp.write_text(json.dumps(manifest.to_json()))
         os.replace(tmp, output)
-    data = {**_checkpoint_json(point), "seconds": round(time.monotonic() - started, 3),
-            "pause_ms": round(manifest.meta["pause_s"] * 1000, 1)}
+    data = {**_checkpoint_json(point), "seconds": captured}
     if as_json:
         emit_json(data)
+    elif point.own_bytes is None:
+        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, "
+                   f"captured in {captured} s, being stored")
     else:
-        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {data['pause_ms']} ms, "
-                   f"{point.own_bytes / (1 << 20):.1f} MiB of new data, {data['seconds']} s")
+        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, stored in "
+                   f"{captured} s, {point.own_bytes / (1 << 20):.1f} MiB of new data")
 
 
 @cli.command(name="log")

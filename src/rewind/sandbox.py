@@ -7,6 +7,7 @@ several handles (in several processes) can share one machine safely.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import shutil
@@ -38,8 +39,9 @@ class Checkpoint:
     parent: str | None
     created: float
     labels: dict[str, str]
-    own_bytes: int  # what this point added to the store that its parent did not have
+    own_bytes: int | None  # what it added to the store that its parent did not have; None: being stored
     ref: str = "~0"
+    pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
 
     @classmethod
     def of(cls, entry: HistoryEntry, ref: str = "~0") -> Checkpoint:
@@ -205,14 +207,25 @@ class Sandbox:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY) -> Checkpoint:
+                   history: int = HISTORY, wait: bool = False) -> Checkpoint:
         """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
-        records as its parent the point this machine was last saved to or restored from."""
-        return Checkpoint.of(self._machine.checkpoint(self._store, name=name, labels=labels,
-                                                      history=history))
+        records as its parent the point this machine was last saved to or restored from.
+
+        It returns once the moment is captured (the guest runs again); memory is written and
+        stored in the background, and anything that reads checkpoints waits for that. With
+        `wait`, it returns once the point is in the store (own_bytes then known)."""
+        store = self._store
+        point = self._machine.checkpoint(store, name=name, labels=labels, history=history)
+        pause_ms = point.meta["pause_s"] * 1000
+        if wait:
+            self._machine.settle()
+            return dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)
+        return Checkpoint(id=point.id, name=point.name, machine=point.machine, parent=point.parent,
+                          created=point.created, labels=dict(point.labels), own_bytes=None, pause_ms=pause_ms)
 
     def history(self) -> list[Checkpoint]:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""
+        self._machine.engine.settle()
         self._machine.reload()
         parent = self._machine.record.parent
         return history_of(self._store.get(parent)) if parent else []

@@ -109,14 +109,14 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     sbx = Sandbox.create("bench", home=home)
     store = Store.open(home.store, create=True)
     progress("checkpoints: the first one (it stores the image's root disk)")
-    first = sbx.checkpoint()
+    first = sbx.checkpoint(wait=True)
     one_mib = du_mib(home.store)
     progress("checkpoints: pause seen in the guest, call time, 1 MiB of changes apart")
     # The first half runs the stamper, to see the pause from inside; it keeps a vCPU busy
     # (each wake-up is emulated), so the call is timed in the second half, on an idle guest,
     # and the stamper is gone before the checkpoints that later steps restore and branch.
     stamper = sbx.exec(f"setsid python3 -c '{STAMPER}' > /dev/null 2>&1 < /dev/null & echo $!", check=True)
-    pauses, qemu_pauses, calls, idle_gaps = [], [], [], []
+    pauses, qemu_pauses, calls, stored, idle_gaps = [], [], [], [], []
     count = 2 if quick else 10
     for i in range(count):
         if i == count // 2:
@@ -132,6 +132,9 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
             pauses.append(largest_gap_ms(sbx))
         else:
             calls.append(time.perf_counter() - started)
+            sbx._machine.settle()
+            stored.append(time.perf_counter() - started)
+        sbx._machine.settle()
         qemu_pauses.append(store.get(point.id).meta["pause_s"] * 1000)
     later_mib = du_mib(home.store)
     report.add("checkpoint_pause_guest_ms", "guest pause during a checkpoint (largest gap seen inside)", "ms",
@@ -140,6 +143,8 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     report.add("checkpoint_pause_qemu_ms", "guest pause during a checkpoint (QEMU STOP to RESUME)", "ms",
                qemu_pauses, target=20)
     report.add("checkpoint_call_s", "checkpoint call until it returns (idle guest)", "s", calls, target=1.0)
+    report.add("checkpoint_stored_s", "checkpoint until it is in the store (background work included)", "s",
+               stored)
     report.add("store_one_checkpoint_mib", "store after one checkpoint", "MiB", [one_mib])
     report.add(f"store_{count + 1}_checkpoints_mib", f"store after {count} more, 1 MiB of changes apart",
                "MiB", [later_mib], target=1.2 * one_mib + count)
@@ -172,6 +177,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
         child = sbx.fork(f"child-{i}")
         child.exec(["true"])
         branch_times.append(time.perf_counter() - started)
+        sbx._machine.engine.settle()
         branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"] * 1000)
         child.delete()
     report.add("branch_to_child_exec_s", "branch until the child's first exec", "s", branch_times, target=1.0)
@@ -194,7 +200,7 @@ def curve_machine(home: Home, bench: Sandbox, quick: bool) -> tuple[Sandbox, lis
     if quick:
         return bench, [64, 128]
     sbx = Sandbox.create("curve", memory=1536, home=home)
-    sbx.checkpoint()  # its first checkpoint stores the image's disk layers: not what is measured
+    sbx.checkpoint(wait=True)  # its first checkpoint stores the image's disk layers: not measured
     return sbx, [128, 512, 1024]
 
 
@@ -213,10 +219,11 @@ def memory_curve(sbx: Sandbox, touched: list[int], report: Report, progress: Pro
     points = []
     for mib in touched:
         touch_memory(sbx, mib)
-        seconds, point = timed_result(sbx.checkpoint)
+        seconds, point = timed_result(lambda: sbx.checkpoint(wait=True))  # as the peers: all written
         points.append((mib, seconds))
         call, pause, size = curve_keys(mib)
-        report.add(call, f"checkpoint with {mib} MiB in use ({memory} MiB machine)", "s", [seconds])
+        report.add(call, f"checkpoint with {mib} MiB in use, until stored ({memory} MiB machine)", "s",
+                   [seconds])
         report.add(pause, f"guest pause with {mib} MiB in use (QEMU STOP to RESUME)", "ms",
                    [store.get(point.id).meta["pause_s"] * 1000])
         report.add(size, f"data a checkpoint adds with {mib} MiB in use", "MiB",

@@ -14,6 +14,7 @@ it was taken here) is not unpacked again: memory images on tmpfs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -22,10 +23,14 @@ from pathlib import Path
 
 import blake3
 
-from rewind.engine.snapshot import Capture, SavedState
+from rewind.engine.snapshot import SavedState
 from rewind.store import BlobIndex, CheckpointManifest, Store
 
 HISTORY = 32
+# Memory is cut finer than disks: a guest changes scattered pages, and between two points
+# 1 MiB of file changes apart here 3.2 MiB of pages differed, which touched 31 MiB of
+# 256 KiB chunks but 15 MiB of 64 KiB ones.
+RAM_CHUNK_SIZE = 64 << 10
 
 
 def blob_digest(blob: BlobIndex) -> str:
@@ -80,34 +85,25 @@ def _link_into(path: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def adopt(path: Path, dest: Path) -> Path:
-    """Move a just-captured file into a cache under its digest name (or drop it if there)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():
-        path.unlink()
-    else:
-        os.replace(path, dest)
-    return dest
-
-
-def commit_capture(store: Store, caches: Caches, capture: Capture, disks: list[Path], *, machine: str,
+def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: SavedState, *, machine: str,
                    parent: str | None, name: str | None, labels: dict[str, str] | None, meta: dict,
-                   history: int = HISTORY) -> tuple[CheckpointManifest, SavedState]:
-    """Put a capture's files into the store and commit the checkpoint; the files move into
-    the caches, so the returned state runs without unpacking anything."""
+                   history: int = HISTORY) -> CheckpointManifest:
+    """Put a captured state's files into the store and commit it as checkpoint `checkpoint_id`.
+    The files keep their names (machines may run on them) and get their cache names too."""
     with store.lock():
-        blobs = {"ram": store.put_blob(capture.ram), "devstate": store.put_blob(capture.devstate)}
-        for i, layer in enumerate(disks):
+        blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE),
+                 "devstate": store.put_blob(state.devstate)}
+        for i, layer in enumerate(state.disks):
             blobs[f"disk.{i}"] = put_immutable(store, caches, layer)
+        common = {"name": name, "labels": labels, "meta": {**meta, "layers": len(state.disks)},
+                  "history": history, "checkpoint_id": checkpoint_id}
         try:
-            manifest = store.commit(machine, blobs, parent=parent, name=name, labels=labels,
-                                    meta={**meta, "layers": len(disks)}, history=history)
+            manifest = store.commit(machine, blobs, parent=parent, **common)
         except LookupError:  # the parent was deleted: a new history starts here
-            manifest = store.commit(machine, blobs, parent=None, name=name, labels=labels,
-                                    meta={**meta, "layers": len(disks)}, history=history)
-    ram = adopt(capture.ram, caches.ram / f"{blob_digest(blobs['ram'])}.ram")
-    devstate = adopt(capture.devstate, caches.devstate / blob_digest(blobs["devstate"]))
-    return manifest, SavedState(ram=ram, devstate=devstate, disks=disks)
+            manifest = store.commit(machine, blobs, parent=None, **common)
+    _link_into(state.ram, caches.ram / f"{blob_digest(blobs['ram'])}.ram")
+    _link_into(state.devstate, caches.devstate / blob_digest(blobs["devstate"]))
+    return manifest
 
 
 RAM_CACHE_KEEP = 4  # memory images kept on tmpfs beyond those machines run on
@@ -115,11 +111,17 @@ RAM_CACHE_KEEP = 4  # memory images kept on tmpfs beyond those machines run on
 
 def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
     """Drop the oldest cached memory images: they take host memory, and the store can unpack
-    them again. Images that machines run on are kept (deleting them would free nothing)."""
-    images = sorted((p for p in caches.ram.glob("*.ram") if p not in in_use),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in images[RAM_CACHE_KEEP:]:
-        old.unlink(missing_ok=True)
+    them again. Images that machines run on are kept (deleting them would free nothing).
+    An image may have two names (its checkpoint's and its content's): both go together."""
+    images: dict[int, tuple[float, list[Path]]] = {}
+    for path in caches.ram.glob("*.ram"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.stat()
+            images.setdefault(st.st_ino, (st.st_mtime, []))[1].append(path)
+    free = sorted((image for image in images.values() if not in_use.intersection(image[1])), reverse=True)
+    for _, paths in free[RAM_CACHE_KEEP:]:
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 def layer_path(caches: Caches, blob: BlobIndex) -> Path:

@@ -11,6 +11,7 @@ exclusively; agent sessions hold it shared plus one of the agent ports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,21 +25,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rewind.engine import netfilter
+from rewind.engine import netfilter, pending
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
-from rewind.engine.checkpoint import (
-    HISTORY,
-    Caches,
-    adopt,
-    commit_capture,
-    layer_path,
-    state_of,
-    trim_ram_cache,
-)
+from rewind.engine.checkpoint import HISTORY, Caches, state_of, trim_ram_cache
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import (
     AGENT_PORTS,
     QMP_SOCKET,
@@ -65,7 +59,15 @@ from rewind.errors import (
 )
 from rewind.home import Home
 from rewind.image import Image, find_image
-from rewind.store import CheckpointManifest, Store
+from rewind.store import (
+    BadRef,
+    CheckpointExists,
+    CheckpointManifest,
+    Store,
+    UnknownCheckpoint,
+    new_checkpoint_id,
+)
+from rewind.store.model import validate_checkpoint_name
 
 DEFAULT_MEMORY_MIB = 512
 DEFAULT_CPUS = 2
@@ -98,6 +100,14 @@ def parse_labels(labels: dict[str, str] | None) -> dict[str, str]:
             raise InvalidArgument(f"invalid value for label {key!r}")
         out[key] = value
     return out
+
+
+def _names_a_checkpoint(store: Store, name: str) -> bool:
+    try:
+        store.get(name)
+    except (UnknownCheckpoint, BadRef):  # BadRef: a name such as "c0" also reads as a short id
+        return False
+    return True
 
 
 def _hostname(name: str) -> str:
@@ -329,6 +339,7 @@ class Machine:
 
     def stop(self) -> None:
         """Flush the guest's disk and end its QEMU. Files survive; processes do not."""
+        self._settle_before_ending()
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.status() == "running":
@@ -338,15 +349,14 @@ class Machine:
             self.record.pid = None
             self._save()
 
-    def _shutdown(self, flush: bool = True) -> None:
+    def _shutdown(self) -> None:
         r = self.record
         assert r.pid is not None
-        if flush:
-            try:
-                with AgentClient(self.path / agent_socket(0), connect_timeout=5) as client:
-                    client.exec(["sync"], timeout=30)
-            except RewindError:
-                pass  # a guest whose agent is gone cannot flush; its disk is as the guest left it
+        try:
+            with AgentClient(self.path / agent_socket(0), connect_timeout=5) as client:
+                client.exec(["sync"], timeout=30)
+        except RewindError:
+            pass  # a guest whose agent is gone cannot flush; its disk is as the guest left it
         try:
             with self.monitor() as mon:
                 mon.quit()
@@ -363,9 +373,17 @@ class Machine:
     # ---- checkpoints ----
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, live: bool = True) -> CheckpointManifest:
+                   history: int = HISTORY, live: bool = True) -> PendingCheckpoint:
         """Save memory, devices and disk as of one instant into `store`; the machine runs on,
-        unless not `live`: then its guest is left stopped, for a caller about to end it."""
+        unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
+        has written the memory out (the caller starts another in its place).
+
+        Returns once the moment is captured; QEMU writing memory out and the commit into the
+        store go on in the background (pending.py): `settle` waits for them."""
+        if name is not None:
+            validate_checkpoint_name(name)
+            if name in pending.pending_names(self.engine.home) or _names_a_checkpoint(store, name):
+                raise CheckpointExists(f"checkpoint name {name!r} is taken")
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
                 return self._checkpoint(store, name, labels, history, live)
@@ -373,38 +391,43 @@ class Machine:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool) -> CheckpointManifest:
+                    history: int, live: bool) -> PendingCheckpoint:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
-        caches.ram.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_hex(4)
+        for folder in (caches.ram, caches.devstate, caches.layers):
+            folder.mkdir(parents=True, exist_ok=True)
+        point_id = new_checkpoint_id()
         with self.agent() if live else nullcontext() as agent, self.monitor() as mon:
             r = self.record
             self._reconcile_disks(mon)
-            for stale in [*caches.ram.glob(f".capture-{r.uuid}-*"), *self.path.glob(".devstate-*")]:
-                stale.unlink()  # left by an interrupted checkpoint (we hold the checkpoint lock)
             top = Path(r.disks[-1])
             new_top = self._new_top()
             cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
-                          ram_out=caches.ram / f".capture-{r.uuid}-{token}.ram",
-                          devstate_out=self.path / f".devstate-{token}")
-            r.disks.append(str(new_top))  # the running QEMU writes there from now on
+                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
+            # The frozen layer leaves this machine's folder (QEMU keeps its open file): a
+            # branch may run on it after this machine is gone.
+            frozen = caches.layers / f"{point_id}.qcow2"
+            os.replace(top, frozen)
+            r.disks[-1:] = [str(frozen), str(new_top)]  # the running QEMU writes to new_top now
             self._save()
-            meta = {"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
-                    "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
-                    "mac": r.mac, "network": r.network, "pause_s": cap.pause_s, "capture_s": cap.seconds}
-            manifest, state = commit_capture(store, caches, cap, [Path(d) for d in r.disks[:-1]],
-                                             machine=r.name, parent=r.parent, name=name, labels=labels,
-                                             meta=meta, history=history)
-            # Move the frozen layer into the cache under its digest (QEMU keeps its open file),
-            # so a restore finds it there instead of unpacking it from the store.
-            frozen = adopt(top, layer_path(caches, manifest.blobs[f"disk.{len(r.disks) - 2}"]))
-            r.disks[-2] = str(frozen)
-            r.parent = manifest.id
+            point = PendingCheckpoint(
+                id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
+                parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
+                meta={"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
+                      "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
+                      "mac": r.mac, "network": r.network, "pause_s": cap.pause_s},
+                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
+                end_qemu=None if live else r.pid)
+            pending.record(home, point)
+            r.parent = point_id
             self._save()
         trim_ram_cache(caches, {Path(m.record.ram) for m in self.engine.list() if m.record.ram})
-        return manifest
+        return point
+
+    def settle(self) -> None:
+        """Return once this machine's checkpoints are all in the store."""
+        pending.settle(self.engine.home, self.record.uuid)
 
     def _reconcile_disks(self, mon: Monitor) -> None:
         """If an interrupted checkpoint already gave the running QEMU a new top layer that the
@@ -425,6 +448,8 @@ class Machine:
     def restore(self, store: Store, ref: str) -> CheckpointManifest:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
         same name, identity and handle. The state it leaves is checkpointed first."""
+        pending.settle(self.engine.home)  # `ref` may name any point, and ~N counts through them
+        self.reload()
         if ref.startswith("~") and self.record.parent is None:
             raise NotFound(f"machine {self.name!r} has no checkpoint yet to count back from")
         target = store.get(ref, relative_to=self.record.parent) if ref.startswith("~") else store.get(ref)
@@ -436,8 +461,9 @@ class Machine:
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.status() == "running":
+                # The state it leaves is captured with its guest stopped; that QEMU writes its memory
+                # out and is ended in the background, while a new one starts in its place.
                 self.checkpoint(store, labels={"auto": "before-restore"}, live=False)
-                self._shutdown(flush=False)
             self._cleanup_runtime()
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
@@ -446,7 +472,14 @@ class Machine:
             self._save()
         return target
 
+    def _settle_before_ending(self) -> None:
+        """Before its QEMU ends, let its checkpoints be written. One that cannot be stored now
+        keeps its journal and files, and the next settle reports it."""
+        with contextlib.suppress(RewindError):
+            self.settle()
+
     def delete(self) -> None:
+        self._settle_before_ending()
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.record.pid is not None and process_alive(self.record.pid, self.record.uuid):
@@ -548,16 +581,12 @@ class Engine:
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
             validate_name(name)
+        self.settle()
         manifest = ref if isinstance(ref, CheckpointManifest) else store.get(ref)
         if at is not None:
             manifest = store.get(at, relative_to=manifest)
-        meta = manifest.meta
         state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
-        network = network or NetworkRules.from_json(meta.get("network", {}))
-        return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
-                         image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
-                         parent=manifest.id, state=state, network=network,
-                         extra={"from_checkpoint": manifest.id, "from_machine": manifest.machine})
+        return self._run_point(name, manifest.id, manifest.machine, manifest.meta, state, labels, network)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
              labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
@@ -566,14 +595,23 @@ class Engine:
         for name in names:
             if name is not None:
                 validate_name(name)
-        manifest = source.checkpoint(store, labels={"auto": "fork"})
-        children = []
-        for name in names:
-            child = self.create_from(store, manifest, name=name, labels=labels, network=network)
-            child.record.extra["forked_from"] = source.name
-            child._save()
-            children.append(child)
-        return children
+        point = source.checkpoint(store, labels={"auto": "fork"})
+        point.wait_written()  # the copies start from its files; storing it goes on meanwhile
+        return [self._run_point(name, point.id, point.machine, point.meta, point.state, labels, network,
+                                forked_from=source.name) for name in names]
+
+    def _run_point(self, name: str | None, point_id: str, machine: str, meta: dict, state: SavedState,
+                   labels: dict[str, str] | None, network: NetworkRules | None, **extra: str) -> Machine:
+        """A new machine running a saved point, whose meta says what machine it was."""
+        network = network or NetworkRules.from_json(meta.get("network", {}))
+        return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
+                         image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
+                         parent=point_id, state=state, network=network,
+                         extra={"from_checkpoint": point_id, "from_machine": machine, **extra})
+
+    def settle(self) -> None:
+        """Return once every machine's checkpoints are all in their stores (see pending.py)."""
+        pending.settle(self.home)
 
     def replace(self, original: Machine, successor: Machine) -> None:
         """`successor`, a running copy of `original`, takes over its name, identity, labels and

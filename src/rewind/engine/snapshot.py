@@ -46,23 +46,24 @@ class SavedState:
 
 @dataclass(frozen=True)
 class Capture:
+    """A capture under way: QEMU may still be writing memory out (see wait_written)."""
+
     ram: Path  # raw memory image (zero pages are holes)
     devstate: Path  # device state, loaded with x-ignore-shared over `ram`
-    pause_s: float  # how long the guest was paused (QEMU's STOP to RESUME)
-    seconds: float  # from the start of the capture until everything was written
-    split: SplitResult
+    done: Path  # written by the splitter when the stream has ended, with its result
+    pause_s: float | None  # how long the guest was paused (STOP to RESUME); None: stopped for good
 
 
 def capture(mon: Monitor, agent: AgentClient | None, *, top_node: str, new_top_file: Path,
             new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
-    backing file) afterwards.
+    backing file) afterwards. Returns once the moment is fixed; memory is still being written
+    (wait_written waits for it).
 
-    With the guest agent, the capture is live (the guest runs on). Without it, the guest is
-    stopped for good, for a caller that ends this QEMU next (a restore saving the state it
-    leaves): a stopped guest's memory and disk agree as they are, and a plain migration of
-    it is faster than a background one."""
-    started = time.monotonic()
+    With the guest agent, the capture is live: it returns when the guest runs again. Without
+    it, the guest is stopped for good, for a caller that ends this QEMU next (a restore saving
+    the state it leaves): a stopped guest's memory and disk agree as they are, and a plain
+    migration of it is faster than a background one."""
     done = devstate_out.with_name(devstate_out.name + ".done")
     done.unlink(missing_ok=True)
     splitter = " ".join(shlex.quote(str(a)) for a in (
@@ -89,38 +90,32 @@ def capture(mon: Monitor, agent: AgentClient | None, *, top_node: str, new_top_f
 
     if agent is None:
         mon.cmd("stop")
-        stopped = time.time()
         try:
             start()
-            mon.wait_migration(CAPTURE_TIMEOUT)
         except BaseException:
             with contextlib.suppress(MonitorError):
                 mon.cmd("cont")  # the machine survives a capture that failed
             raise
-        pause_s = time.time() - stopped
-    else:
-        with agent.frozen():
-            start()
-            stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
-            resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
-        mon.wait_migration(CAPTURE_TIMEOUT)
-        pause_s = _event_time(resume) - _event_time(stop)
-    result = _wait_for(done, CAPTURE_TIMEOUT)
-    if "error" in result:
-        raise StreamError(f"splitting the memory stream failed: {result['error']}")
-    return Capture(ram=ram_out, devstate=devstate_out, pause_s=pause_s,
-                   seconds=time.monotonic() - started, split=SplitResult(**result))
+        return Capture(ram=ram_out, devstate=devstate_out, done=done, pause_s=None)
+    with agent.frozen():
+        start()
+        stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+        resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+    return Capture(ram=ram_out, devstate=devstate_out, done=done,
+                   pause_s=_event_time(resume) - _event_time(stop))
 
 
-def _wait_for(done: Path, timeout: float) -> dict:
+def wait_written(done: Path, timeout: float = CAPTURE_TIMEOUT) -> SplitResult:
+    """Wait until a capture's memory is all written; StreamError if that failed."""
     deadline = time.monotonic() + timeout
     while not done.exists():
         if time.monotonic() > deadline:
-            raise StreamError(f"the memory stream was not split within {timeout:.0f} s")
+            raise StreamError(f"the memory stream was not written within {timeout:.0f} s")
         time.sleep(0.005)
     result = json.loads(done.read_text())
-    done.unlink()
-    return result
+    if "error" in result:
+        raise StreamError(f"splitting the memory stream failed: {result['error']}")
+    return SplitResult(**result)
 
 
 def _event_time(event: dict) -> float:

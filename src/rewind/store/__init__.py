@@ -11,11 +11,20 @@ from rewind.store.errors import (
     UnknownCheckpoint,
 )
 from rewind.store.model import BlobIndex, CheckpointManifest, HistoryEntry
-from rewind.store.store import DEFAULT_CHUNK_SIZE, DEFAULT_HISTORY, CheckReport, GcReport, Progress, Store
+from rewind.store.store import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_HISTORY,
+    CheckReport,
+    GcReport,
+    Progress,
+    Store,
+    new_checkpoint_id,
+)
 from rewind.store.transfer import export_checkpoint, import_checkpoint
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "DEFAULT_HISTORY", "BadExport", "BadRef", "BlobIndex", "CheckReport",
     "CheckpointExists", "CheckpointManifest", "CorruptChunk", "GcReport", "HistoryEntry", "Progress",
     "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "export_checkpoint", "import_checkpoint",
+    "new_checkpoint_id",
 ]

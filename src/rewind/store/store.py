@@ -88,7 +88,8 @@ class GcReport:
     tmp_removed: int
 
 
-def _new_id() -> str:
+def new_checkpoint_id() -> str:
+    """An id for a checkpoint, for a caller that must name it before committing it."""
     return secrets.token_hex(16)
 
 
@@ -99,7 +100,6 @@ class Store:
         self.root = root
         self.chunk_size = chunk_size
         self.lock_timeout = lock_timeout
-        self._zero = bytes(chunk_size)
         self._tmp = root / "tmp"
         self._chunks = os.fspath(root / "chunks")
 
@@ -147,19 +147,25 @@ class Store:
 
     def put_blob(self, source: str | os.PathLike[str] | BinaryIO, size: int | None = None,
                  progress: Progress | None = None, known: BlobIndex | None = None,
-                 unchanged: Container[int] | None = None) -> BlobIndex:
+                 unchanged: Container[int] | None = None, chunk_size: int | None = None) -> BlobIndex:
         """Store a blob read from a file path or a binary file object (from its current
         position): `size` bytes, or up to its end. Chunks are hashed and compressed by a thread
         pool; all-zero chunks and chunks already present are not written.
 
         `known` and `unchanged` let a caller that tracks writes (a dirty-page bitmap, say)
         skip reading: chunk i for every i in `unchanged` is taken from `known`, an index of
-        the same blob at an earlier point, and its bytes in the source are seeked over."""
+        the same blob at an earlier point, and its bytes in the source are seeked over.
+
+        `chunk_size` overrides the store's for this blob: smaller chunks for data whose
+        changes are scattered (guest memory changes page by page) store less per change."""
+        chunk_size = self.chunk_size if chunk_size is None else chunk_size
+        if not _valid_chunk_size(chunk_size):
+            raise InvalidArgument(f"invalid chunk size {chunk_size!r}: use a multiple of 4096 "
+                                  f"up to {MAX_CHUNK_SIZE}")
         if unchanged is not None and known is None:
             raise InvalidArgument("unchanged chunks need the known index they are unchanged from")
-        if known is not None and known.chunk_size != self.chunk_size:
-            raise InvalidArgument(f"the known index has chunk size {known.chunk_size}, "
-                                  f"the store {self.chunk_size}")
+        if known is not None and known.chunk_size != chunk_size:
+            raise InvalidArgument(f"the known index has chunk size {known.chunk_size}, not {chunk_size}")
         if size is not None and not (isinstance(size, int) and size >= 0):
             raise InvalidArgument(f"invalid blob size {size!r}")
         what = f"store a blob from {source}" if isinstance(source, str | os.PathLike) else "store a blob"
@@ -168,11 +174,12 @@ class Store:
             total = size if size is not None else left
             if unchanged is not None and total is None:
                 raise InvalidArgument("unchanged chunks need a source of known size: a file, or size=")
-            return self._put(f, total, progress, known, unchanged or (), regular=left is not None)
+            return self._put(f, total, progress, known, unchanged or (), regular=left is not None,
+                             cs=chunk_size)
 
     def _put(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
-             unchanged: Container[int], regular: bool) -> BlobIndex:
-        cs = self.chunk_size
+             unchanged: Container[int], regular: bool, cs: int) -> BlobIndex:
+        zero = bytes(cs)
         chunks: list[str | None] = []
         pending: deque[tuple[int, Future[tuple[str, Path | None]]]] = deque()
         new_dirs: set[Path] = set()
@@ -209,7 +216,7 @@ class Store:
                         break
                     chunks.append(None)
                     # memcmp against zeros runs at ~18 GB/s here: zero chunks cost almost nothing
-                    if data != (self._zero if len(data) == cs else bytes(len(data))):
+                    if data != (zero if len(data) == cs else bytes(len(data))):
                         pending.append((i, pool.submit(self._store_chunk, data)))
                         settle(2 * WORKERS)
                     want = len(data)
@@ -232,11 +239,14 @@ class Store:
     def commit(self, machine: str, blobs: dict[str, BlobIndex],
                parent: str | CheckpointManifest | None = None, name: str | None = None,
                labels: dict[str, str] | None = None, meta: dict[str, Any] | None = None,
-               history: int = DEFAULT_HISTORY) -> CheckpointManifest:
+               history: int = DEFAULT_HISTORY, checkpoint_id: str | None = None) -> CheckpointManifest:
         """Make a checkpoint of `machine` from blobs already put. `parent` (a ref or manifest) is
         the point the machine was last saved to or restored from; up to `history` points of its
         chain are copied into the new manifest. Written atomically: until it returns, the
-        checkpoint is not visible."""
+        checkpoint is not visible. `checkpoint_id` (from new_checkpoint_id) names it in advance."""
+        if checkpoint_id is not None and not (isinstance(checkpoint_id, str)
+                                              and re.fullmatch(r"[0-9a-f]{32}", checkpoint_id)):
+            raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}")
         validate_name(machine, "machine name")
         if name is not None:
             validate_checkpoint_name(name)
@@ -257,7 +267,8 @@ class Store:
         with os_errors("commit a checkpoint"), self.lock(operation="commit"):
             base = None if parent is None else self._resolve(parent)
             manifest = CheckpointManifest(
-                id=_new_id(), name=name, machine=machine, parent=base.id if base else None,
+                id=checkpoint_id or new_checkpoint_id(), name=name, machine=machine,
+                parent=base.id if base else None,
                 created=time.time(), labels=labels, blobs=dict(blobs), meta=meta, own_bytes=0,
                 history=[base.entry(), *base.history][:history] if base else [])
             # Chunks its parent holds are safe from gc (the parent refers to them); only the

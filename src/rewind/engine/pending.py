@@ -1,0 +1,161 @@
+"""Checkpoints still being stored.
+
+A checkpoint call returns as soon as the guest runs again. What is left, QEMU writing
+memory out and then hashing and compressing it into the store, goes on in a detached
+committer process: the caller does not wait for it, and a caller that exits loses
+nothing. Each pending checkpoint has a journal under `$REWIND_HOME/pending` (written
+whole, then renamed into place) holding all its commit needs. Whoever commits it holds
+a lock on the journal and deletes it once the checkpoint is in the store. `settle`
+waits for pending checkpoints, and commits itself any whose committer died, so anything
+that reads checkpoints sees them all. One machine's checkpoints are committed in order,
+because each needs its parent in the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rewind.engine.checkpoint import Caches, commit_capture
+from rewind.engine.migstream import StreamError
+from rewind.engine.qemu import kill
+from rewind.engine.snapshot import SavedState, wait_written
+from rewind.errors import RewindError
+from rewind.home import Home
+from rewind.store import Store, StoreError
+
+
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A captured checkpoint: its id and files are final; its commit may still be running."""
+
+    id: str
+    seq: int  # orders one machine's checkpoints
+    machine: str
+    machine_uuid: str
+    store: str
+    parent: str | None
+    name: str | None
+    labels: dict[str, str]
+    meta: dict
+    history: int
+    created: float
+    ram: str
+    devstate: str
+    done: str  # the memory splitter's result, written when memory is all out
+    disks: list[str] = field(default_factory=list)  # frozen layers, base first
+    end_qemu: int | None = None  # a QEMU to end once it has written the memory (a restore's old one)
+
+    @property
+    def state(self) -> SavedState:
+        """What a new QEMU runs this point from (once wait_written returns)."""
+        return SavedState(ram=Path(self.ram), devstate=Path(self.devstate),
+                          disks=[Path(d) for d in self.disks])
+
+    def wait_written(self) -> None:
+        """Wait until QEMU has written the memory out; StreamError if it failed."""
+        wait_written(Path(self.done))
+
+
+def journals(home: Home) -> list[Path]:
+    """Pending journals, oldest first."""
+    folder = home.root / "pending"
+    return sorted(folder.glob("*.json"), key=lambda p: int(p.stem.split("-")[0])) if folder.is_dir() else []
+
+
+def record(home: Home, point: PendingCheckpoint) -> None:
+    """Journal `point` and start its committer."""
+    folder = home.root / "pending"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{point.seq}-{point.machine_uuid}-{point.id}.json"
+    tmp = folder / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(asdict(point)))
+    os.replace(tmp, path)
+    start_committer(home, path)
+
+
+def start_committer(home: Home, journal: Path) -> None:
+    """A detached process that commits `journal` (setsid -f: it outlives this process and
+    is nobody's zombie)."""
+    subprocess.run(["setsid", "-f", sys.executable, "-c", "from rewind.engine.pending import main; main()",
+                    str(home.root), str(home.images), str(journal)],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   check=False)
+
+
+def settle(home: Home, machine_uuid: str | None = None) -> None:
+    """Return once every pending checkpoint (of one machine, or all) is in its store."""
+    for path in journals(home):
+        if machine_uuid is None or path.stem.split("-", 1)[1].startswith(machine_uuid):
+            _commit(home, path, report=True)
+
+
+def pending_names(home: Home) -> set[str]:
+    """Checkpoint names taken by pending checkpoints."""
+    names = set()
+    for path in journals(home):
+        with contextlib.suppress(OSError, ValueError):
+            if name := json.loads(path.read_text()).get("name"):
+                names.add(name)
+    return names
+
+
+def _commit(home: Home, path: Path, report: bool) -> None:
+    """Commit the journal at `path` unless someone already has. With `report`, errors are
+    raised (a lost capture once, then forgotten); without, they are left for settle."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # committed already
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not path.exists():
+            return
+        point = PendingCheckpoint(**json.loads(path.read_text()))
+        for earlier in journals(home):  # its parent, if pending, goes first
+            if earlier.name.split("-", 1)[1].startswith(point.machine_uuid) and \
+                    int(earlier.stem.split("-")[0]) < point.seq:
+                _commit(home, earlier, report)
+        try:
+            point.wait_written()
+        except StreamError as e:
+            _end_qemu(point)
+            _forget(path, point)
+            if report:
+                raise RewindError(f"checkpoint {point.id[:12]} of {point.machine} was lost: {e}") from None
+            return
+        _end_qemu(point)
+        try:
+            commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
+                           point.state, machine=point.machine, parent=point.parent, name=point.name,
+                           labels=point.labels, meta=point.meta, history=point.history)
+        except (RewindError, OSError) as e:
+            if report:
+                raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "
+                                 f"stored: {e}") from None
+            return
+        _forget(path, point)
+    finally:
+        os.close(fd)
+
+
+def _end_qemu(point: PendingCheckpoint) -> None:
+    if point.end_qemu is not None:
+        kill(point.end_qemu, point.machine_uuid)
+
+
+def _forget(path: Path, point: PendingCheckpoint) -> None:
+    Path(point.done).unlink(missing_ok=True)
+    path.unlink()
+
+
+def main() -> None:
+    """The committer: `python -c ... HOME_ROOT IMAGES JOURNAL`."""
+    root, images, journal = sys.argv[1:4]
+    _commit(Home(root=Path(root), images=Path(images)), Path(journal), report=False)
