@@ -82,9 +82,10 @@ def record(home: Home, point: PendingCheckpoint) -> None:
 
 def start_committer(home: Home, journal: Path) -> None:
     """A detached process that commits `journal` (setsid -f: it outlives this process and
-    is nobody's zombie)."""
-    subprocess.run(["setsid", "-f", sys.executable, "-c", "from rewind.engine.pending import main; main()",
-                    str(home.root), str(home.images), str(journal)],
+    is nobody's zombie; nice: running guests come first)."""
+    subprocess.run(["setsid", "-f", "nice", sys.executable, "-c",
+                    "from rewind.engine.pending import main; main()", str(home.root), str(home.images),
+                    str(journal)],
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    check=False)
 
