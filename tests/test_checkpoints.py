@@ -13,6 +13,7 @@ import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import pending
+from rewind.engine.qemu import process_alive
 from rewind.store import CheckpointExists, CorruptChunk, Store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
@@ -73,6 +74,12 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     restored = sbx.restore("before-damage")
     assert restored.id == point.id
     assert sbx.status == "running" and sbx.name == "worker" and sbx.info().pid != pid
+    # The QEMU it left writes its memory out, then its committer ends it.
+    left = [c for c in sbx.history() if c.labels.get("auto") == "before-restore"]
+    assert not left, "the state it left is a branch of its own, not in this history"
+    assert not process_alive(pid, sbx._machine.record.uuid), "the QEMU the restore left is still running"
+    saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
+    assert len(saved) == 1 and saved[0].parent == point.id
     assert sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout == identity
     assert sbx.files.read_text("/root/project/keep.txt") == "precious\n"
     assert sbx.exec("ls /usr/share/doc | wc -l").stdout.strip() != "0"
@@ -234,8 +241,12 @@ def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
     assert [c.id for c in sbx.history()] == [second.id, first.id]
     assert not list((home.root / "pending").glob("*.json"))
     sbx.files.write("/root/f", "three")
-    sbx.restore("one")
+    old_qemu = sbx.info().pid
+    sbx.restore("one")  # the QEMU it leaves waits for a committer to end it: here, the next reader
     assert sbx.files.read_text("/root/f") == "one"
+    assert process_alive(old_qemu, sbx._machine.record.uuid)
+    sbx.history()
+    assert not process_alive(old_qemu, sbx._machine.record.uuid)
     sbx.restore("two")
     assert sbx.files.read_text("/root/f") == "two"
     assert Store.open(home.store).check(read_data=True).ok
