@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +79,9 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     left = [c for c in sbx.history() if c.labels.get("auto") == "before-restore"]
     assert not left, "the state it left is a branch of its own, not in this history"
     assert not process_alive(pid, sbx._machine.record.uuid), "the QEMU the restore left is still running"
+    machine = sbx._machine
+    in_use = {Path(d) for d in machine.record.disks}
+    assert set(machine.disk_dir.iterdir()) <= in_use, "layers nothing uses are left behind"
     saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
     assert len(saved) == 1 and saved[0].parent == point.id
     assert sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout == identity

@@ -418,7 +418,7 @@ class Machine:
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
                       "mac": r.mac, "network": r.network, "pause_s": cap.pause_s},
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
-                end_qemu=None if live else r.pid)
+                end_qemu=None if live else r.pid, end_layer=None if live else str(new_top))
             pending.record(home, point)
             r.parent = point_id
             self._save()

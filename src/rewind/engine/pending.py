@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import StreamError
-from rewind.engine.qemu import kill
+from rewind.engine.qemu import process_alive, wait_exit
 from rewind.engine.snapshot import SavedState, wait_written
 from rewind.errors import RewindError
 from rewind.home import Home
@@ -51,6 +52,7 @@ class PendingCheckpoint:
     done: str  # the memory splitter's result, written when memory is all out
     disks: list[str] = field(default_factory=list)  # frozen layers, base first
     end_qemu: int | None = None  # a QEMU to end once it has written the memory (a restore's old one)
+    end_layer: str | None = None  # and the empty top layer it was left writing to
 
     @property
     def state(self) -> SavedState:
@@ -147,8 +149,14 @@ def _commit(home: Home, path: Path, report: bool) -> None:
 
 
 def _end_qemu(point: PendingCheckpoint) -> None:
-    if point.end_qemu is not None:
-        kill(point.end_qemu, point.machine_uuid)
+    """End the QEMU a restore left, with SIGKILL: on a clean exit QEMU would unlink its PID
+    file and sockets by path, and those paths are now its successor's."""
+    if point.end_qemu is not None and process_alive(point.end_qemu, point.machine_uuid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(point.end_qemu, signal.SIGKILL)
+        wait_exit(point.end_qemu, point.machine_uuid, 10)
+    if point.end_layer is not None:
+        Path(point.end_layer).unlink(missing_ok=True)
 
 
 def _forget(path: Path, point: PendingCheckpoint) -> None:
