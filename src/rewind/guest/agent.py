@@ -423,13 +423,16 @@ def handle_identity(port: Port, req: dict, _payload: bytes) -> None:
         raw = bytes.fromhex(seed)
         with open("/dev/urandom", "wb") as f:
             fcntl.ioctl(f.fileno(), RNDADDENTROPY, struct.pack("ii", len(raw) * 8, len(raw)) + raw)
-    if hostname := req.get("hostname"):
+    # A restore in place brings back the same identity: only what differs is written
+    # (a just-restored guest runs cold, each change costs it).
+    if (hostname := req.get("hostname")) and socket.gethostname() != hostname:
         socket.sethostname(hostname)
+    if hostname:
         write_text("/etc/hostname", hostname + "\n")
         write_text("/etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost\n")
     if machine_id := req.get("machine_id"):
         write_text("/etc/machine-id", machine_id + "\n")
-    if mac := req.get("mac"):
+    if (mac := req.get("mac")) and read_text("/sys/class/net/eth0/address").strip() != mac.lower():
         try:
             set_mac("eth0", mac)
         except OSError as e:
@@ -437,7 +440,18 @@ def handle_identity(port: Port, req: dict, _payload: bytes) -> None:
     port.send({"t": "ok"})
 
 
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def write_text(path: str, text: str) -> None:
+    """Replace a file's text atomically, unless it holds that text already."""
+    if read_text(path) == text:
+        return
     tmp = path + ".rewind-tmp"
     with open(tmp, "w") as f:
         f.write(text)
