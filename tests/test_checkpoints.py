@@ -14,7 +14,8 @@ import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import pending
-from rewind.engine.qemu import process_alive
+from rewind.engine.qemu import QMP_SOCKET, process_alive
+from rewind.engine.qmp import Monitor
 from rewind.store import CheckpointExists, CorruptChunk, Store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
@@ -219,7 +220,10 @@ def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
         store = Store.open(home.store)
         assert store.check().ok
         assert sbx.exec("echo alive").stdout == "alive\n"
-    time.sleep(10)  # the guest thaws a freeze whose host vanished within FREEZE_LIMIT
+    # Killed just after stopping the guest: the next session finds it paused and resumes it.
+    with Monitor(sbx._machine.path / QMP_SOCKET) as mon:
+        mon.cmd("stop")
+    assert sbx.exec("echo alive").stdout == "alive\n"
     sbx.files.write("/root/after", "written")
     last = sbx.checkpoint(name="after-kills")
     sbx.files.write("/root/after", "changed")

@@ -6,8 +6,7 @@ import codecs
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -248,17 +247,6 @@ class AgentClient:
             self._send({"t": "data"}, block)
         self._send({"t": "end"})
         self._reply_of("ok")
-
-    @contextmanager
-    def frozen(self) -> Iterator[None]:
-        """Hold the guest's root file system frozen (flushed, no writes) inside the block."""
-        self._request({"t": "freeze"})
-        self._reply_of("frozen")
-        try:
-            yield
-        finally:
-            self._send({"t": "thaw"})
-            self._reply_of("ok")
 
     def git(self, action: str, folder: str) -> dict:
         """The git tier in the guest: `save` or `restore` a project folder (see guest/gittier.py)."""

@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -208,6 +208,20 @@ class Machine:
             raise MachineNotRunning(f"machine {self.name!r} is {status}; start it with "
                                     f"`rewind start {self.name}`")
 
+    def _agent_silent(self) -> None:
+        """What an agent session checks when the guest does not answer: that QEMU runs, and
+        that the guest is not left paused by a checkpoint whose caller died between stopping
+        it and starting the capture (then it is resumed, unless a checkpoint is under way)."""
+        self.check_alive()
+        try:
+            with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"), \
+                    self.monitor() as mon:
+                if mon.cmd("query-status").get("status") == "paused" and \
+                        mon.cmd("query-migrate").get("status") not in ("setup", "active"):
+                    mon.cmd("cont")
+        except (Busy, MonitorError):
+            pass
+
     # ---- sessions ----
 
     @contextmanager
@@ -220,7 +234,7 @@ class Machine:
             self.check_alive()
             ports = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
             with any_free_lock(ports, timeout=LOCK_TIMEOUT, what=what) as port, \
-                    AgentClient(self.path / agent_socket(port), alive=self.check_alive,
+                    AgentClient(self.path / agent_socket(port), alive=self._agent_silent,
                                 connect_timeout=connect_timeout) as client:
                 yield client
 
@@ -397,12 +411,13 @@ class Machine:
         for folder in (caches.ram, caches.devstate, caches.layers):
             folder.mkdir(parents=True, exist_ok=True)
         point_id = new_checkpoint_id()
-        with self.agent() if live else nullcontext() as agent, self.monitor() as mon:
+        self.check_alive()
+        with self.monitor() as mon:
             r = self.record
             self._reconcile_disks(mon)
             top = Path(r.disks[-1])
             new_top = self._new_top()
-            cap = capture(mon, agent, top_node=disk_node(len(r.disks) - 1),
+            cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
             # The frozen layer leaves this machine's folder (QEMU keeps its open file): a

@@ -19,7 +19,9 @@ sections end the rest is copied through unparsed.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -257,22 +259,34 @@ def split_stream(src: BinaryIO, ram_block: str, ram_out: int, devstate_out: Bina
     return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)
 
 
+ACCEPT_TIMEOUT = 60.0  # a requester that dies before QEMU connects leaves no splitter behind
+
+
 def main(argv: list[str]) -> int:
-    """`python -m rewind.engine.migstream BLOCK RAM_OUT DEVSTATE_OUT DONE`: split stdin.
+    """`python -m rewind.engine.migstream SOCKET BLOCK RAM_OUT DEVSTATE_OUT DONE`: split the
+    stream QEMU sends to the unix socket SOCKET (`migrate unix:SOCKET`).
 
-    QEMU runs this itself (`migrate exec:...`), so the split finishes even if the rewind
-    process that asked for the checkpoint dies: a QEMU whose background snapshot loses
-    its reader mid-stream can hang. DONE is written last, atomically, with the result.
-    """
-    import json
-    import sys
-
-    block, ram_out, devstate_out, done = argv
+    It runs detached, so the split finishes even if the rewind process that asked for the
+    checkpoint dies: a QEMU whose background snapshot loses its reader mid-stream can hang.
+    SOCKET appears once it accepts connections; DONE is written last, atomically, with the
+    result."""
+    sock_path, block, ram_out, devstate_out, done = argv
     try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            pending = f"{sock_path}.{os.getpid()}"
+            listener.bind(pending)
+            listener.listen(1)
+            os.rename(pending, sock_path)
+            listener.settimeout(ACCEPT_TIMEOUT)
+            try:
+                conn, _ = listener.accept()
+            finally:
+                os.unlink(sock_path)
+        conn.settimeout(None)
         fd = os.open(ram_out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            with open(devstate_out, "wb") as dst:
-                result: dict = split_stream(sys.stdin.buffer, block, fd, dst).__dict__
+            with conn, conn.makefile("rb") as src, open(devstate_out, "wb") as dst:
+                result: dict = split_stream(src, block, fd, dst).__dict__
         finally:
             os.close(fd)
     except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process

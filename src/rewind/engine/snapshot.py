@@ -1,16 +1,17 @@
 """Capturing a running machine's memory, devices and disk as of one instant.
 
-The guest's root file system is frozen through the agent first (flushed; no
-writes can start), so the disk cannot change until it is thawed. Then the
-disk's top layer is frozen for good (a new empty layer takes the writes) and
-QEMU's background snapshot starts: it pauses the guest only to save CPU and
-device state and to write-protect memory, and streams memory while the guest
-runs on. Once QEMU reports the guest running again, the file system is thawed.
-Memory and devices are from the pause, the disk from the freeze, and nothing
-reached the disk in between, so the two agree.
+The guest is stopped (QEMU drains its disk requests), the disk's top layer is
+frozen for good (a new empty layer takes later writes), and QEMU's background
+snapshot starts: it saves CPU and device state, write-protects memory and lets
+the guest run again, then streams memory while the guest runs on, saving each
+page before the guest first writes to it. Memory, devices and disk are all from
+the moment the guest stopped, whatever the guest was doing, and nothing inside
+it needs to answer.
 
-The stream is split as it arrives (see migstream.py), by a process QEMU itself
-runs, into a raw memory image on tmpfs and a small device-state stream.
+The stream goes to a splitter (see migstream.py), a detached process started
+first and listening on a unix socket, so that no process is started while the
+guest is stopped and the split finishes even if the caller dies. It writes a
+raw memory image on tmpfs and a small device-state stream.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.engine.agent import AgentClient
 from rewind.engine.migstream import SplitResult, StreamError
 from rewind.engine.qmp import Monitor, MonitorError
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
 CAPTURE_TIMEOUT = 300.0
+SPLITTER_START_TIMEOUT = 30.0
 # QEMU caps migration at 128 MiB/s by default (meant for live migration over a shared
 # network); a capture written to local tmpfs has no reason to wait for that.
 UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
@@ -54,27 +55,24 @@ class Capture:
     pause_s: float | None  # how long the guest was paused (STOP to RESUME); None: stopped for good
 
 
-def capture(mon: Monitor, agent: AgentClient | None, *, top_node: str, new_top_file: Path,
-            new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
+def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
+            ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
     backing file) afterwards. Returns once the moment is fixed; memory is still being written
     (wait_written waits for it).
 
-    With the guest agent, the capture is live: it returns when the guest runs again. Without
-    it, the guest is stopped for good, for a caller that ends this QEMU next (a restore saving
-    the state it leaves): a stopped guest's memory and disk agree as they are, and a plain
-    migration of it is faster than a background one."""
+    `live`: the guest runs on (returns when it does). Otherwise it stays stopped, for a
+    caller that ends this QEMU next (a restore saving the state it leaves), and a plain
+    migration, faster than a background one, writes its memory."""
     done = devstate_out.with_name(devstate_out.name + ".done")
     done.unlink(missing_ok=True)
-    splitter = " ".join(shlex.quote(str(a)) for a in (
-        sys.executable, "-m", "rewind.engine.migstream", RAM_BLOCK, ram_out, devstate_out, done))
     # A capture whose requester died runs on inside QEMU; let it end first. (Never cancel a
     # background snapshot: QEMU 7.2 can then leave guest memory write-protected and hang.)
     if mon.cmd("query-migrate").get("status") in ("setup", "active"):
         with contextlib.suppress(MonitorError):
             mon.wait_migration(CAPTURE_TIMEOUT)
     mon.cmd("migrate-set-capabilities", capabilities=[
-        {"capability": "background-snapshot", "state": agent is not None},
+        {"capability": "background-snapshot", "state": live},
         {"capability": "x-ignore-shared", "state": True}])
     mon.cmd("migrate-set-parameters", **UNLIMITED_BANDWIDTH)
     # The new top is attached by node, not by a backing file name written into it: layers
@@ -83,26 +81,39 @@ def capture(mon: Monitor, agent: AgentClient | None, *, top_node: str, new_top_f
         mon.cmd("blockdev-del", **{"node-name": new_top_node})
     mon.cmd("blockdev-add", driver="qcow2", backing=None,
             file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
+    sock = start_splitter(ram_out, devstate_out, done)
 
-    def start() -> None:
+    mon.cmd("stop")
+    try:
         mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
-        mon.cmd("migrate", uri=f"exec:{splitter}")
-
-    if agent is None:
-        mon.cmd("stop")
-        try:
-            start()
-        except BaseException:
-            with contextlib.suppress(MonitorError):
-                mon.cmd("cont")  # the machine survives a capture that failed
-            raise
+        mon.cmd("migrate", uri=f"unix:{sock}")
+    except BaseException:
+        with contextlib.suppress(MonitorError):
+            mon.cmd("cont")  # the machine survives a capture that failed
+        raise
+    if not live:
         return Capture(ram=ram_out, devstate=devstate_out, done=done, pause_s=None)
-    with agent.frozen():
-        start()
-        stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
-        resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+    stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+    resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
     return Capture(ram=ram_out, devstate=devstate_out, done=done,
                    pause_s=_event_time(resume) - _event_time(stop))
+
+
+def start_splitter(ram_out: Path, devstate_out: Path, done: Path) -> Path:
+    """Start the splitter, detached (setsid -f); returns the socket it listens on."""
+    sock = ram_out.with_name(ram_out.name + ".sock")
+    sock.unlink(missing_ok=True)
+    subprocess.run(["setsid", "-f", sys.executable, "-m", "rewind.engine.migstream", str(sock), RAM_BLOCK,
+                    str(ram_out), str(devstate_out), str(done)],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    deadline = time.monotonic() + SPLITTER_START_TIMEOUT
+    while not sock.exists():
+        if done.exists():
+            raise StreamError(f"the memory splitter failed: {done.read_text()}")
+        if time.monotonic() > deadline:
+            raise StreamError(f"the memory splitter did not start within {SPLITTER_START_TIMEOUT:.0f} s")
+        time.sleep(0.002)
+    return sock
 
 
 def wait_written(done: Path, timeout: float = CAPTURE_TIMEOUT) -> SplitResult:

@@ -469,50 +469,6 @@ def handle_ping(port: Port, req: dict, _payload: bytes) -> None:
     port.send(pong(req, busy=False))
 
 
-FIFREEZE = 0xC0045877
-FITHAW = 0xC0045878
-FREEZE_LIMIT = 10.0  # seconds: never leave the guest's disk frozen longer, whatever the host does
-
-
-def set_frozen(frozen: bool) -> None:
-    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.ioctl(fd, FIFREEZE if frozen else FITHAW, 0)
-    except OSError as e:
-        if frozen or e.errno != errno.EINVAL:  # EINVAL on thaw: it was not frozen
-            raise
-    finally:
-        os.close(fd)
-
-
-def handle_freeze(port: Port, _req: dict, _payload: bytes) -> None:
-    """Flush and freeze the root file system for as long as this session asks.
-
-    While frozen, the disk cannot change, so the host can capture it and the memory
-    at slightly different moments and still have them agree. The freeze ends with a
-    `thaw` frame, the session ending (also what a restored copy of this moment sees
-    first), or FREEZE_LIMIT.
-    """
-    try:
-        set_frozen(True)
-    except OSError as e:
-        raise RequestError("os_error", f"cannot freeze the file system: {e.strerror}") from None
-    try:
-        port.send({"t": "frozen"})
-        deadline = time.monotonic() + FREEZE_LIMIT
-        while True:
-            header, _ = port.recv(deadline=deadline)
-            if header.get("t") == "thaw":
-                break
-            if header.get("t") == "ping":
-                port.send(pong(header, busy=True))
-    except TimeoutError:
-        pass
-    finally:
-        set_frozen(False)
-    port.send({"t": "ok"})
-
-
 def handle_git(port: Port, req: dict, _payload: bytes) -> None:
     """The git tier: `save` or `restore` the project folder `folder`."""
     if gittier is None:
@@ -535,7 +491,6 @@ HANDLERS = {
     "write": handle_write,
     "identity": handle_identity,
     "ping": handle_ping,
-    "freeze": handle_freeze,
     "git": handle_git,
 }
 
@@ -574,8 +529,6 @@ def main() -> None:
                 os._exit(1)
         children[pid] = path
 
-    with contextlib.suppress(OSError):
-        set_frozen(False)  # a guest restored from a checkpoint may still be frozen
     for path in find_ports():
         spawn(path)
     while True:
