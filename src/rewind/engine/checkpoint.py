@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,9 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
 
 
 RAM_CACHE_KEEP = 4  # memory images kept on tmpfs beyond those machines run on
+# Nor is an image dropped within this many seconds of being used: a machine about to start
+# from it has not opened it yet (and QEMU would make an empty file in its place).
+RAM_CACHE_GRACE = 120.0
 
 
 def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
@@ -118,7 +122,9 @@ def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
         with contextlib.suppress(FileNotFoundError):
             st = path.stat()
             images.setdefault(st.st_ino, (st.st_mtime, []))[1].append(path)
-    free = sorted((image for image in images.values() if not in_use.intersection(image[1])), reverse=True)
+    recent = time.time() - RAM_CACHE_GRACE
+    free = sorted((image for image in images.values()
+                   if image[0] < recent and not in_use.intersection(image[1])), reverse=True)
     for _, paths in free[RAM_CACHE_KEEP:]:
         for path in paths:
             path.unlink(missing_ok=True)
@@ -132,7 +138,9 @@ def layer_path(caches: Caches, blob: BlobIndex) -> Path:
 def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> SavedState:
     """The files to run a checkpoint, unpacked from the store where not cached."""
     def cached(blob: BlobIndex, dest: Path) -> Path:
-        if not dest.exists():
+        try:
+            os.utime(dest)  # just used: trim_ram_cache leaves it alone for a while
+        except FileNotFoundError:
             dest.parent.mkdir(parents=True, exist_ok=True)
             store.materialize(blob, dest)
         return dest
