@@ -3,6 +3,8 @@ from a point, forks, history that survives deletions, corruption refused."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -258,3 +260,20 @@ def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
     sbx.restore("two")
     assert sbx.files.read_text("/root/f") == "two"
     assert Store.open(home.store).check(read_data=True).ok
+
+
+def test_a_restore_keeps_the_memory_image_it_starts_from(home: Home) -> None:
+    """The checkpoint a restore takes of the state it leaves trims old memory images; the
+    one the restore is about to start from must not be among them, however old."""
+    sbx = Sandbox.create("trim", home=home)
+    images = []
+    for step in range(5):
+        sbx.files.write("/root/step", str(step))
+        images.append(home.runtime / "ram" / f"{sbx.checkpoint(name=f't{step}', wait=True).id}.ram")
+    for age, image in enumerate(reversed(images)):  # made an hour ago, t0 first
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(image, (time.time() - 3600 - age, time.time() - 3600 - age))
+    sbx.restore("t1")
+    assert sbx.files.read_text("/root/step") == "1"
+    sbx.restore("t3")
+    assert sbx.files.read_text("/root/step") == "3"
