@@ -78,15 +78,6 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     restored = sbx.restore("before-damage")
     assert restored.id == point.id
     assert sbx.status == "running" and sbx.name == "worker" and sbx.info().pid != pid
-    # The QEMU it left writes its memory out, then its committer ends it.
-    left = [c for c in sbx.history() if c.labels.get("auto") == "before-restore"]
-    assert not left, "the state it left is a branch of its own, not in this history"
-    assert not process_alive(pid, sbx._machine.record.uuid), "the QEMU the restore left is still running"
-    machine = sbx._machine
-    in_use = {Path(d) for d in machine.record.disks}
-    assert set(machine.disk_dir.iterdir()) <= in_use, "layers nothing uses are left behind"
-    saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
-    assert len(saved) == 1 and saved[0].parent == point.id
     assert sbx.exec("hostname; cat /etc/machine-id; cat /sys/class/net/eth0/address").stdout == identity
     assert sbx.files.read_text("/root/project/keep.txt") == "precious\n"
     assert sbx.exec("ls /usr/share/doc | wc -l").stdout.strip() != "0"
@@ -100,6 +91,16 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     assert _count(sbx) > restored_count
     assert sbx.exec("cat /root/mismatch 2>/dev/null").stdout == ""
     assert abs(float(sbx.exec("date +%s.%N").stdout) - time.time()) < 5, "clock not set to the present"
+
+    # The QEMU it left writes its memory out, then its committer ends it.
+    left = [c for c in sbx.history() if c.labels.get("auto") == "before-restore"]
+    assert not left, "the state it left is a branch of its own, not in this history"
+    assert not process_alive(pid, sbx._machine.record.uuid), "the QEMU the restore left is still running"
+    machine = sbx._machine
+    in_use = {Path(d) for d in machine.record.disks}
+    assert set(machine.disk_dir.iterdir()) <= in_use, "layers nothing uses are left behind"
+    saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
+    assert len(saved) == 1 and saved[0].parent == point.id
 
 
 def test_history_branches_and_new_machines_from_points(home: Home) -> None:
