@@ -65,10 +65,15 @@ class PendingCheckpoint:
         wait_written(Path(self.done))
 
 
-def journals(home: Home) -> list[Path]:
-    """Pending journals, oldest first."""
-    folder = home.root / "pending"
-    return sorted(folder.glob("*.json"), key=lambda p: int(p.stem.split("-")[0])) if folder.is_dir() else []
+def journals(home: Home, machine_uuid: str | None = None) -> list[Path]:
+    """Pending journals (of one machine, or all), oldest first. They are named
+    SEQ-MACHINE_UUID-ID.json."""
+    found = (home.root / "pending").glob("*.json")  # nothing if there is no such folder
+    return sorted((p for p in found if p.stem.split("-", 1)[1].startswith(machine_uuid or "")), key=_seq)
+
+
+def _seq(journal: Path) -> int:
+    return int(journal.stem.split("-", 1)[0])
 
 
 def record(home: Home, point: PendingCheckpoint) -> None:
@@ -94,9 +99,8 @@ def start_committer(home: Home, journal: Path) -> None:
 
 def settle(home: Home, machine_uuid: str | None = None) -> None:
     """Return once every pending checkpoint (of one machine, or all) is in its store."""
-    for path in journals(home):
-        if machine_uuid is None or path.stem.split("-", 1)[1].startswith(machine_uuid):
-            _commit(home, path, report=True)
+    for path in journals(home, machine_uuid):
+        _commit(home, path, report=True)
 
 
 def pending_names(home: Home) -> set[str]:
@@ -121,9 +125,8 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         if not path.exists():
             return
         point = PendingCheckpoint(**json.loads(path.read_text()))
-        for earlier in journals(home):  # its parent, if pending, goes first
-            if earlier.name.split("-", 1)[1].startswith(point.machine_uuid) and \
-                    int(earlier.stem.split("-")[0]) < point.seq:
+        for earlier in journals(home, point.machine_uuid):  # its parent, if pending, goes first
+            if _seq(earlier) < point.seq:
                 _commit(home, earlier, report)
         try:
             point.wait_written()
