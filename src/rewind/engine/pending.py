@@ -18,14 +18,13 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import StreamError
-from rewind.engine.qemu import process_alive, wait_exit
+from rewind.engine.qemu import process_alive, start_detached, wait_exit
 from rewind.engine.snapshot import SavedState, wait_written
 from rewind.errors import RewindError
 from rewind.home import Home
@@ -88,13 +87,9 @@ def record(home: Home, point: PendingCheckpoint) -> None:
 
 
 def start_committer(home: Home, journal: Path) -> None:
-    """A detached process that commits `journal` (setsid -f: it outlives this process and
-    is nobody's zombie; nice: running guests come first)."""
-    subprocess.run(["setsid", "-f", "nice", sys.executable, "-c",
-                    "from rewind.engine.pending import main; main()", str(home.root), str(home.images),
-                    str(journal)],
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   check=False)
+    """A detached process that commits `journal` (niced: running guests come first)."""
+    start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
+                    str(home.root), str(home.images), str(journal)])
 
 
 def settle(home: Home, machine_uuid: str | None = None) -> None:

@@ -141,6 +141,13 @@ def launch(spec: VmSpec, run_dir: Path) -> int:
     return int((run_dir / PID_FILE).read_text().strip())
 
 
+def start_detached(argv: list[str]) -> None:
+    """Start a helper that outlives this process and is nobody's zombie (setsid -f: it
+    runs in a session of its own, its parent gone)."""
+    subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=True)
+
+
 def process_alive(pid: int, tag: str) -> bool:
     """True if `pid` is a live QEMU started with `tag` (PIDs get reused)."""
     try:

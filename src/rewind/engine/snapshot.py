@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.engine.migstream import SplitResult, StreamError
+from rewind.engine.qemu import start_detached
 from rewind.engine.qmp import Monitor, MonitorError
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
@@ -100,12 +100,11 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
 
 
 def start_splitter(ram_out: Path, devstate_out: Path, done: Path) -> Path:
-    """Start the splitter, detached (setsid -f); returns the socket it listens on."""
+    """Start the splitter, detached; returns the socket it listens on."""
     sock = ram_out.with_name(ram_out.name + ".sock")
     sock.unlink(missing_ok=True)
-    subprocess.run(["setsid", "-f", sys.executable, "-m", "rewind.engine.migstream", str(sock), RAM_BLOCK,
-                    str(ram_out), str(devstate_out), str(done)],
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    start_detached([sys.executable, "-m", "rewind.engine.migstream", str(sock), RAM_BLOCK, str(ram_out),
+                    str(devstate_out), str(done)])
     deadline = time.monotonic() + SPLITTER_START_TIMEOUT
     while not sock.exists():
         if done.exists():

@@ -125,11 +125,9 @@ class Port:
             self.send({"t": "hello", "nonce": nonce})
         return frame
 
-    def recv(self, in_request: bool = True, deadline: float | None = None) -> tuple[dict, bytes]:
-        """The next frame; TimeoutError once the monotonic `deadline` passes."""
+    def recv(self, in_request: bool = True) -> tuple[dict, bytes]:
+        """The next frame."""
         while True:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError
             frame = self.take(in_request)
             if frame:
                 return frame
