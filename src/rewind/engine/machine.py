@@ -420,6 +420,12 @@ class Machine:
             cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
+            monitor = None
+            if not live:
+                # Its memory is written out later, by its committer, through the QMP socket
+                # moved aside: the path is its successor's from now on.
+                monitor = caches.devstate / f"{point_id}.qmp"
+                os.replace(self.path / QMP_SOCKET, monitor)
             # The frozen layer leaves this machine's folder (QEMU keeps its open file): a
             # branch may run on it after this machine is gone.
             frozen = caches.layers / f"{point_id}.qcow2"
@@ -433,7 +439,8 @@ class Machine:
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
                       "mac": r.mac, "network": r.network, "pause_s": cap.pause_s},
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
-                end_qemu=None if live else r.pid, end_layer=None if live else str(new_top))
+                end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
+                monitor=None if monitor is None else str(monitor))
             pending.record(home, point)
             r.parent = point_id
             self._save()

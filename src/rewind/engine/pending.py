@@ -19,16 +19,23 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import StreamError
 from rewind.engine.qemu import process_alive, start_detached, wait_exit
-from rewind.engine.snapshot import SavedState, wait_written
+from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.snapshot import SavedState, wait_written, write_out, write_out_started
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
+
+# A restore's left state is written out this long after it was captured: the machine that
+# replaced it is busiest in its first moments (its guest code is translated afresh), and a
+# stopped guest's memory can wait. Anything that needs the checkpoint sooner writes it itself.
+WRITE_OUT_DELAY = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class PendingCheckpoint:
     disks: list[str] = field(default_factory=list)  # frozen layers, base first
     end_qemu: int | None = None  # a QEMU to end once it has written the memory (a restore's old one)
     end_layer: str | None = None  # and the empty top layer it was left writing to
+    monitor: str | None = None  # that QEMU's QMP socket, while its memory is still to be written out
 
     @property
     def state(self) -> SavedState:
@@ -124,6 +132,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             if _seq(earlier) < point.seq:
                 _commit(home, earlier, report)
         try:
+            _write_out(point)
             point.wait_written()
         except StreamError as e:
             _end_qemu(point)
@@ -146,6 +155,17 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         os.close(fd)
 
 
+def _write_out(point: PendingCheckpoint) -> None:
+    """Have a restore's stopped QEMU write its memory out, unless that is done or under way."""
+    if point.monitor is None or write_out_started(Path(point.ram), Path(point.devstate)):
+        return
+    try:
+        with Monitor(Path(point.monitor)) as mon:
+            write_out(mon, Path(point.ram), Path(point.devstate))
+    except MonitorError as e:
+        raise StreamError(f"its stopped QEMU is gone: {e}") from None
+
+
 def _end_qemu(point: PendingCheckpoint) -> None:
     """End the QEMU a restore left, with SIGKILL: on a clean exit QEMU would unlink its PID
     file and sockets by path, and those paths are now its successor's."""
@@ -153,8 +173,9 @@ def _end_qemu(point: PendingCheckpoint) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(point.end_qemu, signal.SIGKILL)
         wait_exit(point.end_qemu, point.machine_uuid, 10)
-    if point.end_layer is not None:
-        Path(point.end_layer).unlink(missing_ok=True)
+    for leftover in (point.end_layer, point.monitor):
+        if leftover is not None:
+            Path(leftover).unlink(missing_ok=True)
 
 
 def _forget(path: Path, point: PendingCheckpoint) -> None:
@@ -165,4 +186,7 @@ def _forget(path: Path, point: PendingCheckpoint) -> None:
 def main() -> None:
     """The committer: `python -c ... HOME_ROOT IMAGES JOURNAL`."""
     root, images, journal = sys.argv[1:4]
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(Path(journal).read_text()).get("monitor"):
+            time.sleep(WRITE_OUT_DELAY)
     _commit(Home(root=Path(root), images=Path(images)), Path(journal), report=False)

@@ -163,23 +163,21 @@ def kill(pid: int, tag: str, grace: float = 5.0) -> None:
     if not process_alive(pid, tag):
         return
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not process_alive(pid, tag):
-            return
-        time.sleep(0.02)
+    if wait_exit(pid, tag, grace):
+        return
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    while process_alive(pid, tag):
-        time.sleep(0.02)
+    wait_exit(pid, tag, float("inf"))
 
 
 def wait_exit(pid: int, tag: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
+    poll = 0.001  # most exits take a few milliseconds; a slow one is polled less often
     while process_alive(pid, tag):
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.01)
+        time.sleep(poll)
+        poll = min(poll * 2, 0.02)
     return True

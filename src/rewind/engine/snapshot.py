@@ -12,6 +12,10 @@ The stream goes to a splitter (see migstream.py), a detached process started
 first and listening on a unix socket, so that no process is started while the
 guest is stopped and the split finishes even if the caller dies. It writes a
 raw memory image on tmpfs and a small device-state stream.
+
+A restore saves the state it leaves differently: that guest never runs again, so it
+stays stopped and its memory is written later (write_out), by a plain migration,
+once the machine that replaces it is running.
 """
 
 from __future__ import annotations
@@ -58,35 +62,32 @@ class Capture:
 def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
             ram_out: Path, devstate_out: Path) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
-    backing file) afterwards. Returns once the moment is fixed; memory is still being written
-    (wait_written waits for it).
+    backing file) afterwards. Returns once the moment is fixed.
 
-    `live`: the guest runs on (returns when it does). Otherwise it stays stopped, for a
-    caller that ends this QEMU next (a restore saving the state it leaves), and a plain
-    migration, faster than a background one, writes its memory."""
-    done = devstate_out.with_name(devstate_out.name + ".done")
+    `live`: the guest runs on (returns when it does) while its memory is written out
+    (wait_written waits for that). Otherwise the guest stays stopped for good and nothing
+    is written yet: `write_out` does that later, for a caller that ends this QEMU (a
+    restore, which saves the state it leaves once its new QEMU runs)."""
+    done = _done_file(devstate_out)
     done.unlink(missing_ok=True)
     # A capture whose requester died runs on inside QEMU; let it end first. (Never cancel a
     # background snapshot: QEMU 7.2 can then leave guest memory write-protected and hang.)
     if mon.cmd("query-migrate").get("status") in ("setup", "active"):
         with contextlib.suppress(MonitorError):
             mon.wait_migration(CAPTURE_TIMEOUT)
-    mon.cmd("migrate-set-capabilities", capabilities=[
-        {"capability": "background-snapshot", "state": live},
-        {"capability": "x-ignore-shared", "state": True}])
-    mon.cmd("migrate-set-parameters", **UNLIMITED_BANDWIDTH)
     # The new top is attached by node, not by a backing file name written into it: layers
     # move between directories, and QEMU's name for an explicit chain outgrows qcow2's field.
     with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
         mon.cmd("blockdev-del", **{"node-name": new_top_node})
     mon.cmd("blockdev-add", driver="qcow2", backing=None,
             file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
-    sock = start_splitter(ram_out, devstate_out, done)
+    sock = _prepare_migration(mon, ram_out, devstate_out, background=True) if live else None
 
     mon.cmd("stop")
     try:
         mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
-        mon.cmd("migrate", uri=f"unix:{sock}")
+        if sock is not None:
+            mon.cmd("migrate", uri=f"unix:{sock}")
     except BaseException:
         with contextlib.suppress(MonitorError):
             mon.cmd("cont")  # the machine survives a capture that failed
@@ -99,9 +100,39 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
                    pause_s=_event_time(resume) - _event_time(stop))
 
 
+def write_out(mon: Monitor, ram_out: Path, devstate_out: Path) -> None:
+    """Start writing out the memory of a guest that capture(live=False) stopped for good, by
+    a plain migration (faster than a background one); wait_written waits for it."""
+    sock = _prepare_migration(mon, ram_out, devstate_out, background=False)
+    mon.cmd("migrate", uri=f"unix:{sock}")
+
+
+def write_out_started(ram_out: Path, devstate_out: Path) -> bool:
+    """True once a splitter was started for this capture (its socket, memory file or result
+    exists): the memory is written, or being written, or that attempt failed for good."""
+    return any(p.exists() for p in (_splitter_socket(ram_out), ram_out, _done_file(devstate_out)))
+
+
+def _prepare_migration(mon: Monitor, ram_out: Path, devstate_out: Path, background: bool) -> Path:
+    """Set QEMU's migration up and start the splitter it will stream to; returns its socket."""
+    mon.cmd("migrate-set-capabilities", capabilities=[
+        {"capability": "background-snapshot", "state": background},
+        {"capability": "x-ignore-shared", "state": True}])
+    mon.cmd("migrate-set-parameters", **UNLIMITED_BANDWIDTH)
+    return start_splitter(ram_out, devstate_out, _done_file(devstate_out))
+
+
+def _splitter_socket(ram_out: Path) -> Path:
+    return ram_out.with_name(ram_out.name + ".sock")
+
+
+def _done_file(devstate_out: Path) -> Path:
+    return devstate_out.with_name(devstate_out.name + ".done")
+
+
 def start_splitter(ram_out: Path, devstate_out: Path, done: Path) -> Path:
     """Start the splitter, detached; returns the socket it listens on."""
-    sock = ram_out.with_name(ram_out.name + ".sock")
+    sock = _splitter_socket(ram_out)
     sock.unlink(missing_ok=True)
     start_detached([sys.executable, "-m", "rewind.engine.migstream", str(sock), RAM_BLOCK, str(ram_out),
                     str(devstate_out), str(done)])
