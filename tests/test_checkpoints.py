@@ -101,6 +101,14 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     assert set(machine.disk_dir.iterdir()) <= in_use, "layers nothing uses are left behind"
     saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
     assert len(saved) == 1 and saved[0].parent == point.id
+    assert not list((home.root / "cache" / "devstate").glob("*.qmp")), "its monitor socket remains"
+
+    # The restore is undone by restoring the state it left: written out after the restore
+    # returned, from the stopped QEMU, it holds that moment's disk and processes.
+    sbx.restore(saved[0].id)
+    assert sbx.exec("test -e /root/project").exit_code != 0
+    assert sbx.exec("ls /usr/share/doc 2>/dev/null | wc -l").stdout.strip() == "0"
+    assert sbx.exec(ASK).stdout.strip() == "5"
 
 
 def test_history_branches_and_new_machines_from_points(home: Home) -> None:

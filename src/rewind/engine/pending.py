@@ -32,10 +32,11 @@ from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
 
-# A restore's left state is written out this long after it was captured: the machine that
-# replaced it is busiest in its first moments (its guest code is translated afresh), and a
-# stopped guest's memory can wait. Anything that needs the checkpoint sooner writes it itself.
-WRITE_OUT_DELAY = 1.0
+# A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
+# committed in the background this long after: a machine is busiest in its first moments
+# (its guest code is translated afresh), and its start comes first. Whoever needs the
+# checkpoint sooner (settle) commits it at once.
+START_FIRST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PendingCheckpoint:
     end_qemu: int | None = None  # a QEMU to end once it has written the memory (a restore's old one)
     end_layer: str | None = None  # and the empty top layer it was left writing to
     monitor: str | None = None  # that QEMU's QMP socket, while its memory is still to be written out
+    not_before: float = 0.0  # the background committer waits until then (see START_FIRST_S)
 
     @property
     def state(self) -> SavedState:
@@ -187,6 +189,5 @@ def main() -> None:
     """The committer: `python -c ... HOME_ROOT IMAGES JOURNAL`."""
     root, images, journal = sys.argv[1:4]
     with contextlib.suppress(OSError, ValueError):
-        if json.loads(Path(journal).read_text()).get("monitor"):
-            time.sleep(WRITE_OUT_DELAY)
+        time.sleep(max(0.0, json.loads(Path(journal).read_text()).get("not_before", 0.0) - time.time()))
     _commit(Home(root=Path(root), images=Path(images)), Path(journal), report=False)
