@@ -16,7 +16,7 @@ import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import pending
-from rewind.engine.qemu import QMP_SOCKET, process_alive
+from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
 from rewind.store import CheckpointExists, CorruptChunk, Store
 
@@ -286,3 +286,12 @@ def test_a_restore_keeps_the_memory_image_it_starts_from(home: Home) -> None:
     assert sbx.files.read_text("/root/step") == "1"
     sbx.restore("t3")
     assert sbx.files.read_text("/root/step") == "3"
+
+
+def test_guest_ram_ranges_follow_the_q35_layout() -> None:
+    # populate() reads guest memory by physical address: below the PCI hole, then from 4 GiB.
+    assert guest_ram_ranges(512) == [(0, 512 << 20)]
+    assert guest_ram_ranges(2815) == [(0, 2815 << 20)]
+    assert guest_ram_ranges(2816) == [(0, 2 << 30), (4 << 30, 768 << 20)]
+    assert guest_ram_ranges(4096) == [(0, 2 << 30), (4 << 30, 2 << 30)]
+    assert sum(size for _, size in guest_ram_ranges(3000)) == 3000 << 20

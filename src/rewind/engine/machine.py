@@ -45,7 +45,7 @@ from rewind.engine.qemu import (
     wait_exit,
 )
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.snapshot import SavedState, capture
+from rewind.engine.snapshot import SavedState, capture, populate
 from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template, template_state
 from rewind.errors import (
     AlreadyExists,
@@ -143,6 +143,7 @@ class MachineRecord:
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
     extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
     ram: str | None = None  # the memory file its QEMU maps
+    populated: int | None = None  # the QEMU (PID) whose memory populate() has read
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
 
 
@@ -418,6 +419,9 @@ class Machine:
             self._reconcile_disks(mon)
             top = Path(r.disks[-1])
             new_top = self._new_top()
+            if live and r.populated != r.pid:
+                populate(mon, r.memory_mib)
+                r.populated = r.pid
             cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)

@@ -94,6 +94,16 @@ def qemu_argv(spec: VmSpec) -> list[str]:
     return argv
 
 
+def guest_ram_ranges(memory_mib: int) -> list[tuple[int, int]]:
+    """Where q35 puts guest RAM in the physical address space, as (start, size): below the
+    PCI hole, and the rest from 4 GiB up (QEMU's pc_q35_init)."""
+    size = memory_mib << 20
+    low = 0x80000000 if size >= 0xB0000000 else 0xB0000000
+    if size <= low:
+        return [(0, size)]
+    return [(0, low), (1 << 32, size - low)]
+
+
 def netfilter_args() -> list[str]:
     """Route netdev net0 through the filter: a redirector on its receive queue hands the
     filter what the guest sends and passes on what the filter writes back; one on its

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.engine.migstream import SplitResult, StreamError
-from rewind.engine.qemu import start_detached
+from rewind.engine.qemu import guest_ram_ranges, start_detached
 from rewind.engine.qmp import Monitor, MonitorError
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
 CAPTURE_TIMEOUT = 300.0
 SPLITTER_START_TIMEOUT = 30.0
+POPULATE_SLICE = 16 << 20  # about 10 ms of QEMU's main loop each (see populate)
 # QEMU caps migration at 128 MiB/s by default (meant for live migration over a shared
 # network); a capture written to local tmpfs has no reason to wait for that.
 UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
@@ -128,6 +129,17 @@ def _splitter_socket(ram_out: Path) -> Path:
 
 def _done_file(devstate_out: Path) -> Path:
     return devstate_out.with_name(devstate_out.name + ".done")
+
+
+def populate(mon: Monitor, memory_mib: int) -> None:
+    """Have QEMU read all guest memory while the guest runs. QEMU 7.2's background snapshot
+    maps every page of memory before write-protecting it, with the guest stopped (we stop
+    it to freeze the disk at the same moment): the first time in a QEMU process that takes
+    about 0.2 s for 512 MiB, later a few ms. Reading it here first, in slices that each hold
+    QEMU's main lock briefly, keeps that out of the pause."""
+    for start, size in guest_ram_ranges(memory_mib):
+        for at in range(start, start + size, POPULATE_SLICE):
+            mon.cmd("pmemsave", val=at, size=min(POPULATE_SLICE, start + size - at), filename="/dev/null")
 
 
 def start_splitter(ram_out: Path, devstate_out: Path, done: Path) -> Path:
