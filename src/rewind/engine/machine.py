@@ -609,12 +609,20 @@ class Engine:
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
             validate_name(name)
-        self.settle()
-        manifest = ref if isinstance(ref, CheckpointManifest) else store.get(ref)
+        manifest = ref if isinstance(ref, CheckpointManifest) else self._stored(store, ref)
         if at is not None:
             manifest = store.get(at, relative_to=manifest)
         state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
         return self._run_point(name, manifest.id, manifest.machine, manifest.meta, state, labels, network)
+
+    def _stored(self, store: Store, ref: str) -> CheckpointManifest:
+        """store.get(ref), waiting for pending checkpoints only if `ref` names none stored yet
+        (the points a stored one counts back through are all stored: parents go first)."""
+        try:
+            return store.get(ref)
+        except UnknownCheckpoint:
+            self.settle()
+            return store.get(ref)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
              labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
