@@ -476,11 +476,10 @@ class Machine:
     def restore(self, store: Store, ref: str) -> CheckpointManifest:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
         same name, identity and handle. The state it leaves is checkpointed first."""
-        pending.settle(self.engine.home)  # `ref` may name any point, and ~N counts through them
         self.reload()
         if ref.startswith("~") and self.record.parent is None:
             raise NotFound(f"machine {self.name!r} has no checkpoint yet to count back from")
-        target = store.get(ref, relative_to=self.record.parent) if ref.startswith("~") else store.get(ref)
+        target = self.engine.find_point(store, ref, self.record.parent if ref.startswith("~") else None)
         shape = (target.meta.get("memory_mib"), target.meta.get("cpus"))
         if shape != (self.record.memory_mib, self.record.cpus):
             raise InvalidArgument(f"checkpoint {target.id[:12]} is of a {target.meta.get('memory_mib')} MiB, "
@@ -609,20 +608,21 @@ class Engine:
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
             validate_name(name)
-        manifest = ref if isinstance(ref, CheckpointManifest) else self._stored(store, ref)
+        manifest = ref if isinstance(ref, CheckpointManifest) else self.find_point(store, ref)
         if at is not None:
             manifest = store.get(at, relative_to=manifest)
         state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
         return self._run_point(name, manifest.id, manifest.machine, manifest.meta, state, labels, network)
 
-    def _stored(self, store: Store, ref: str) -> CheckpointManifest:
-        """store.get(ref), waiting for pending checkpoints only if `ref` names none stored yet
-        (the points a stored one counts back through are all stored: parents go first)."""
+    def find_point(self, store: Store, ref: str, relative_to: str | None = None) -> CheckpointManifest:
+        """store.get(ref, relative_to), waiting for pending checkpoints only if they are not
+        found stored (the points a stored one counts back through are all stored: parents
+        are committed first)."""
         try:
-            return store.get(ref)
+            return store.get(ref, relative_to=relative_to)
         except UnknownCheckpoint:
             self.settle()
-            return store.get(ref)
+            return store.get(ref, relative_to=relative_to)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
              labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
