@@ -388,11 +388,11 @@ class Machine:
     # ---- checkpoints ----
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, live: bool = True) -> PendingCheckpoint:
+                   history: int = HISTORY, live: bool = True, start_first: bool = False) -> PendingCheckpoint:
         """Save memory, devices and disk as of one instant into `store`; the machine runs on,
         unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
-        has written the memory out (the caller starts another in its place, which goes
-        first: that is done a moment later).
+        has written the memory out (the caller starts another in its place). `start_first`:
+        a machine is about to start from it or in its place; its commit waits a moment.
 
         Returns once the moment is captured; QEMU writing memory out and the commit into the
         store go on in the background (pending.py): `settle` waits for them."""
@@ -402,12 +402,12 @@ class Machine:
                 raise CheckpointExists(f"checkpoint name {name!r} is taken")
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
-                return self._checkpoint(store, name, labels, history, live)
+                return self._checkpoint(store, name, labels, history, live, start_first)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool) -> PendingCheckpoint:
+                    history: int, live: bool, start_first: bool) -> PendingCheckpoint:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
         for folder in (caches.ram, caches.devstate, caches.layers):
@@ -446,7 +446,7 @@ class Machine:
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
-                not_before=0.0 if live else time.time() + pending.START_FIRST_S)
+                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
             pending.record(home, point)
             r.parent = point_id
             self._save()
@@ -490,7 +490,7 @@ class Machine:
             if self.status() == "running":
                 # The state it leaves is captured with its guest stopped; that QEMU writes its memory
                 # out and is ended in the background, while a new one starts in its place.
-                self.checkpoint(store, labels={"auto": "before-restore"}, live=False)
+                self.checkpoint(store, labels={"auto": "before-restore"}, live=False, start_first=True)
             self._cleanup_runtime()
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
@@ -631,7 +631,7 @@ class Engine:
         for name in names:
             if name is not None:
                 validate_name(name)
-        point = source.checkpoint(store, labels={"auto": "fork"})
+        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True)
         point.wait_written()  # the copies start from its files; storing it goes on meanwhile
         return [self._run_point(name, point.id, point.machine, point.meta, point.state, labels, network,
                                 forked_from=source.name) for name in names]

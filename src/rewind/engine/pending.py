@@ -32,10 +32,10 @@ from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
 
-# The state a restore leaves is written out and committed in the background this long
-# after: the machine that replaced it is busiest in its first moments (its guest code is
-# translated afresh) and goes first. Whoever needs the checkpoint sooner (settle) commits
-# it at once.
+# A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
+# committed in the background this long after: a machine is busiest in its first moments
+# (its guest code is translated afresh), and its start comes first. Whoever needs the
+# checkpoint sooner (settle) commits it at once.
 START_FIRST_S = 1.0
 
 
