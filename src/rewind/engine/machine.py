@@ -489,7 +489,7 @@ class Machine:
             self.reload()
             if self.status() == "running":
                 # The state it leaves is captured with its guest stopped; that QEMU writes its memory
-                # out and is ended in the background, while a new one starts in its place.
+                # out and is ended in the background, once the new one has started in its place.
                 self.checkpoint(store, labels={"auto": "before-restore"}, live=False, start_first=True)
             self._cleanup_runtime()
             r = self.record
