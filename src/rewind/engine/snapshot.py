@@ -120,7 +120,7 @@ def _prepare_migration(mon: Monitor, ram_out: Path, devstate_out: Path, backgrou
         {"capability": "background-snapshot", "state": background},
         {"capability": "x-ignore-shared", "state": True}])
     mon.cmd("migrate-set-parameters", **UNLIMITED_BANDWIDTH)
-    return start_splitter(ram_out, devstate_out, _done_file(devstate_out))
+    return _start_splitter(ram_out, devstate_out)
 
 
 def _splitter_socket(ram_out: Path) -> Path:
@@ -142,9 +142,9 @@ def populate(mon: Monitor, memory_mib: int) -> None:
             mon.cmd("pmemsave", val=at, size=min(POPULATE_SLICE, start + size - at), filename="/dev/null")
 
 
-def start_splitter(ram_out: Path, devstate_out: Path, done: Path) -> Path:
+def _start_splitter(ram_out: Path, devstate_out: Path) -> Path:
     """Start the splitter, detached; returns the socket it listens on."""
-    sock = _splitter_socket(ram_out)
+    sock, done = _splitter_socket(ram_out), _done_file(devstate_out)
     sock.unlink(missing_ok=True)
     start_detached([sys.executable, "-m", "rewind.engine.migstream", str(sock), RAM_BLOCK, str(ram_out),
                     str(devstate_out), str(done)])
