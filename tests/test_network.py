@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,11 +65,50 @@ def loopback() -> Iterator[Listener]:
     listener.close()
 
 
+class OutsideListener:
+    """A TCP server on another machine as far as the guest can tell: in a network namespace
+    of its own behind a veth pair, so the host routes to it (the host's own addresses count
+    as the host, which the guest may not reach by default)."""
+
+    SERVER = ("import socket,sys\n"
+              "s=socket.socket(); s.bind((sys.argv[1],0)); s.listen()\n"
+              "print(s.getsockname()[1],flush=True)\n"
+              "while True:\n"
+              " c,_=s.accept(); open(sys.argv[2],'a').write('x\\n')\n"
+              " c.sendall(b'hello from the host\\n'); c.close()\n")
+
+    def __init__(self, tmp: Path) -> None:
+        tag = f"rwt{os.getpid() % 100000}"
+        self.netns, self.log = tag, tmp / "accepted"
+        self.log.write_text("")
+        octet = os.getpid() % 250 + 1
+        self.address, host_side = f"198.18.{octet}.2", f"198.18.{octet}.1"
+        for command in (f"ip netns add {tag}", f"ip link add {tag}h type veth peer name {tag}n netns {tag}",
+                        f"ip addr add {host_side}/30 dev {tag}h", f"ip link set {tag}h up",
+                        f"ip -n {tag} addr add {self.address}/30 dev {tag}n",
+                        f"ip -n {tag} link set {tag}n up"):
+            if subprocess.run(command.split(), capture_output=True, check=False).returncode:
+                self.close()
+                pytest.skip(f"cannot make a network namespace here ({command})")
+        self.proc = subprocess.Popen(["ip", "netns", "exec", tag, sys.executable, "-c", self.SERVER,
+                                      self.address, str(self.log)], stdout=subprocess.PIPE, text=True)
+        self.port = int(self.proc.stdout.readline())
+
+    @property
+    def accepted(self) -> int:
+        return len(self.log.read_text().splitlines())
+
+    def close(self) -> None:
+        if getattr(self, "proc", None):
+            self.proc.kill()
+            self.proc.wait()
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
+
+
 @pytest.fixture
-def outside() -> Iterator[tuple[str, Listener]]:
-    address = host_address()
-    listener = Listener(address)
-    yield address, listener
+def outside(tmp_path: Path) -> Iterator[tuple[str, OutsideListener]]:
+    listener = OutsideListener(tmp_path)
+    yield listener.address, listener
     listener.close()
 
 
@@ -76,7 +120,8 @@ def connect(sbx: Sandbox, address: str, port: int) -> tuple[bool, str, float]:
     return reached, r.stderr.strip(), time.monotonic() - started
 
 
-def test_rules_enforced_on_the_host(home: Home, loopback: Listener, outside: tuple[str, Listener]) -> None:
+def test_rules_enforced_on_the_host(home: Home, loopback: Listener,
+                                    outside: tuple[str, OutsideListener]) -> None:
     address, listener = outside
     sbx = Sandbox.create("net", home=home)
     assert sbx.network.get() == {"internet": True, "allow": [], "deny": []}
@@ -118,17 +163,20 @@ def test_dns_follows_the_rules(home: Home) -> None:
         socket.getaddrinfo(name, None, family=socket.AF_INET)
     except OSError:
         pytest.skip(f"this host cannot resolve its own name {name!r}")
+    # The name leads to the host itself, so by default it does not resolve in the guest at all.
     sbx = Sandbox.create("dns", home=home)
+    assert sbx.exec(f"getent hosts {name}", timeout=30).exit_code != 0
+    sbx.network.set(internet=True, allow=["127.0.0.1"])
     found = sbx.exec(f"getent hosts {name}", timeout=30)
     assert found.exit_code == 0 and name in found.stdout
-    sbx.network.set(internet=True, deny=[name])
+    sbx.network.set(internet=True, allow=["127.0.0.1"], deny=[name])
     assert sbx.exec(f"getent hosts {name}", timeout=30).exit_code != 0
-    sbx.network.set(internet=False, allow=[name])
+    sbx.network.set(internet=False, allow=[name, "127.0.0.1"])
     assert sbx.exec(f"getent hosts {name}", timeout=30).exit_code == 0
     assert sbx.exec("getent hosts other.invalid", timeout=30).exit_code != 0
 
 
-def test_rules_survive_checkpoint_restore_and_fork(home: Home, outside: tuple[str, Listener]) -> None:
+def test_rules_survive_checkpoint_restore_and_fork(home: Home, outside: tuple[str, OutsideListener]) -> None:
     address, listener = outside
     sbx = Sandbox.create("keep", home=home, network={"internet": False, "allow": ["*.example.com"]})
     assert not connect(sbx, address, listener.port)[0]
@@ -165,6 +213,162 @@ def test_rule_matching() -> None:
     assert not rules.permits(ip("93.184.216.34"), ["example.org"])
     assert rules.permits(ip("93.184.216.35"), ["1password.com"])
     assert not rules.permits(ip("10.0.2.2"))  # the host's loopback needs 127.0.0.1 allowed
+    broad, host_only = NetworkRules.parse(allow=["0.0.0.0/0"]), NetworkRules.parse(False, ["127.0.0.1"])
+    host_denied = NetworkRules.parse(False, allow=["127.0.0.1"], deny=["127.0.0.0/8"])
+    for host in ("0.0.0.0", "0.9.9.9", "127.0.0.1", "127.8.0.1", "10.0.2.2"):
+        assert not broad.permits(ip(host)) and not host_denied.permits(ip(host))
+        assert host_only.permits(ip(host))
+    assert not NetworkRules.parse(internet=True).permits(ip("93.184.216.34"), host=True)
+    assert not NetworkRules.parse(internet=True).permits(ip("::1"))
     assert rules.permits_name("api.example.com") and not rules.permits_name("bad.example.com")
     assert not NetworkRules.parse(internet=True).permits(ip("127.0.0.1"))
     assert NetworkRules.parse(internet=True).permits(ip("8.8.8.8"))
+
+
+# Sent by root in the guest: hand-made frames straight onto eth0 (AF_PACKET), so neither the
+# guest's routing nor its TCP stack stands in the way. For each destination: a TCP SYN and a
+# UDP datagram; then it reports the TCP answer each destination gave ("rst", "synack", none).
+RAW_PROBE = r"""
+import json, os, socket, struct, sys, time
+port, uport, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def csum(data):
+    data += b"\0" * (len(data) % 2)
+    total = sum(struct.unpack(f"!{len(data)//2}H", data))
+    while total >> 16: total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+me = socket.inet_aton("10.0.2.15")
+mac = bytes.fromhex(open("/sys/class/net/eth0/address").read().strip().replace(":", ""))
+gw = b"\x52\x55\x0a\x00\x02\x02"  # QEMU's user-mode network answers for every virtual host with this
+for line in open("/proc/net/arp").read().splitlines()[1:]:
+    f = line.split()
+    if f[0] == "10.0.2.2" and f[3] != "00:00:00:00:00:00": gw = bytes.fromhex(f[3].replace(":", ""))
+def ipv4(dst, proto, payload):
+    head = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, 0, 64, proto, 0, me, dst)
+    head = head[:10] + struct.pack("!H", csum(head)) + head[12:]
+    return gw + mac + b"\x08\x00" + head + payload
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.bind(("eth0", 0))
+sports = {}
+for i, t in enumerate(targets):
+    dst, sport = socket.inet_aton(t), 40000 + i
+    sports[sport] = t
+    tcp = struct.pack("!HHIIBBHHH", sport, port, 1000, 0, 5 << 4, 0x02, 64240, 0, 0)
+    tcp = tcp[:16] + struct.pack("!H", csum(me + dst + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)) + tcp[18:]
+    s.send(ipv4(dst, 6, tcp))
+    udp = struct.pack("!HHHH", sport, uport, 8 + 4, 0) + b"ping"
+    s.send(ipv4(dst, 17, udp))
+answers, end = {}, time.time() + 3
+s.settimeout(0.2)
+while time.time() < end:
+    try: frame = s.recv(65535)
+    except socket.timeout: continue
+    if frame[12:14] != b"\x08\x00" or frame[23] != 6: continue
+    ihl = (frame[14] & 15) * 4
+    sport, dport = struct.unpack("!HH", frame[14 + ihl:18 + ihl])
+    flags = frame[14 + ihl + 13]
+    if dport in sports and sport == port:
+        answers[sports[dport]] = "rst" if flags & 4 else "synack" if flags & 0x12 == 0x12 else hex(flags)
+print(json.dumps(answers))
+"""
+
+
+class UdpListener:
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((address, 0))
+        self.sock.settimeout(0)
+        self.port = self.sock.getsockname()[1]
+
+    def received(self) -> int:
+        count = 0
+        while True:
+            try:
+                self.sock.recv(100)
+            except BlockingIOError:
+                return count
+            count += 1
+
+
+def raw_probe(sbx: Sandbox, tcp: Listener, udp: UdpListener, *targets: str) -> dict[str, str]:
+    r = sbx.exec(["python3", "-c", RAW_PROBE, str(tcp.port), str(udp.port), *targets], timeout=60)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_raw_packets_cannot_reach_the_host(home: Home) -> None:
+    """Root in the guest, default rules (internet on): every address that leads to the host gets a reset,
+    and no service on the host, on loopback or on its own address, sees a connection or a datagram."""
+    own = host_address()
+    tcp, udp = Listener("0.0.0.0"), UdpListener("0.0.0.0")  # every host address at once
+    try:
+        sbx = Sandbox.create("raw", home=home)
+        sbx.exec(f"exec 3<>/dev/tcp/10.0.2.2/{tcp.port}", timeout=30)  # fills the ARP table
+        targets = ["0.0.0.0", "0.1.2.3", "127.0.0.1", "127.9.9.9", "10.0.2.2", own]
+        answers = raw_probe(sbx, tcp, udp, *targets)
+        assert answers == dict.fromkeys(targets, "rst"), answers
+        # IPv6 goes nowhere either, the host's v6 alias and loopback included.
+        sbx.exec("ip -6 addr add fec0::15/64 dev eth0 nodad; ip -6 route add default via fec0::2", timeout=30)
+        for v6 in ("fec0::2", "::1"):
+            reach = f"timeout 3 bash -c 'exec 3<>/dev/tcp/{v6}/{tcp.port}'"
+            assert sbx.exec(reach, timeout=30).exit_code != 0
+        assert tcp.accepted == 0 and udp.received() == 0
+
+        # Only an explicit allow of the host's loopback opens the host; a broad range does not.
+        sbx.network.set(internet=True, allow=["0.0.0.0/0"])
+        assert raw_probe(sbx, tcp, udp, "0.0.0.0") == {"0.0.0.0": "rst"} and tcp.accepted == 0
+        sbx.network.set(internet=False, allow=["127.0.0.1"])
+        assert raw_probe(sbx, tcp, udp, "0.0.0.0") == {"0.0.0.0": "synack"}
+    finally:
+        tcp.close()
+        udp.sock.close()
+
+
+class Captured:
+    """Stands in for the socket back to the guest: keeps what the filter sends."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data[4:])
+
+
+def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str]) -> tuple[str, list[str]]:
+    """Ask the host's packet filter code for `name` as the guest would; (rcode, addresses)."""
+    import asyncio
+
+    import dns.message
+    import dns.rcode
+    import dpkt
+
+    from rewind.engine.netfilter import Filter
+
+    async def resolve(_name: str) -> list[str]:
+        return resolves_to
+
+    to_guest = Captured()
+    flt = Filter(rules, Captured(), to_guest)
+    flt._resolve = resolve
+    query = dpkt.udp.UDP(sport=5353, dport=53, data=dns.message.make_query(name, "A").to_wire())
+    ip = dpkt.ip.IP(src=bytes([10, 0, 2, 15]), dst=bytes([10, 0, 2, 3]), p=17, data=query)
+    eth = dpkt.ethernet.Ethernet(src=b"\x52\x54" + bytes(4), dst=b"\x52\x55" + bytes(4), data=ip)
+
+    async def ask() -> None:
+        flt.handle(bytes(eth))
+        while flt.dns_in_flight:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(ask())
+    reply = dns.message.from_wire(dpkt.ethernet.Ethernet(to_guest.frames[0]).data.data.data)
+    return dns.rcode.to_text(reply.rcode()), sorted(r.address for rrset in reply.answer for r in rrset)
+
+
+def test_dns_answers_only_reachable_addresses() -> None:
+    """Without the internet, an allowed range does not make every name resolvable: a name resolves
+    only to the addresses the rules let through; and no name leads to the host unless allowed."""
+    ranged = NetworkRules.parse(internet=False, allow=["10.9.0.0/16"])
+    assert dns_answer(ranged, "a.example", ["93.184.216.34", "10.9.1.1"]) == ("NOERROR", ["10.9.1.1"])
+    assert dns_answer(ranged, "b.example", ["93.184.216.34"]) == ("REFUSED", [])
+    world = NetworkRules.parse(internet=True)
+    assert dns_answer(world, "rebind.example", ["127.0.0.1"]) == ("REFUSED", [])
+    assert dns_answer(world, "b.example", ["93.184.216.34"]) == ("NOERROR", ["93.184.216.34"])

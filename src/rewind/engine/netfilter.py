@@ -47,7 +47,38 @@ LOG_FILE = "net.log"
 
 DNS_TTL = 60
 CONNECT_TIMEOUT = 60.0
+HOST_CHECK_TTL = 10.0  # the host's own addresses can change (DHCP, new interfaces)
+MAX_NAMED_ADDRESSES = 4096  # the name map a guest's DNS questions fill is bounded
+MAX_DNS_IN_FLIGHT = 64  # questions past this are dropped, as a busy resolver would
 _LENGTH = struct.Struct(">I")
+
+
+class HostAddresses:
+    """Which destinations are this host's own addresses, found out by trying to bind one:
+    the kernel allows that exactly for local addresses. A guest reaching one of them
+    reaches the host's services, so they count as the host (see NetworkRules.permits)."""
+
+    def __init__(self) -> None:
+        self._known: dict[ipaddress.IPv4Address, tuple[bool, float]] = {}
+
+    def __contains__(self, address: ipaddress.IPv4Address) -> bool:
+        now = time.monotonic()
+        hit = self._known.get(address)
+        if hit is None or now - hit[1] > HOST_CHECK_TTL:
+            if len(self._known) >= MAX_NAMED_ADDRESSES:
+                self._known.clear()
+            hit = (self._bindable(address), now)
+            self._known[address] = hit
+        return hit[0]
+
+    @staticmethod
+    def _bindable(address: ipaddress.IPv4Address) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((str(address), 0))
+            except OSError:
+                return False
+        return True
 
 
 class Filter:
@@ -57,6 +88,11 @@ class Filter:
         self.to_net = to_net
         self.to_guest = to_guest
         self.names: dict[ipaddress.IPv4Address, set[str]] = defaultdict(set)  # from our DNS answers
+        self.host = HostAddresses()
+        self.dns_in_flight = 0
+
+    def permits(self, address: ipaddress.IPv4Address, names: set[str] | tuple[str, ...] = ()) -> bool:
+        return self.rules.permits(address, names, host=address in self.host)
 
     @staticmethod
     def _send(writer: asyncio.StreamWriter, frame: bytes) -> None:
@@ -95,19 +131,27 @@ class Filter:
             self._send(self.to_net, frame)  # QEMU answers for its virtual hosts
             return
         if eth.type != dpkt.ethernet.ETH_TYPE_IP or not isinstance(eth.data, dpkt.ip.IP):
-            return  # IPv6 and the rest have nowhere to go
+            return  # IPv6 and the rest have nowhere to go: dropped, whatever the address
         ip = eth.data
         dst = ipaddress.IPv4Address(ip.dst)
         if dst == DNS_SERVER and isinstance(ip.data, dpkt.udp.UDP) and ip.data.dport == 53:
-            asyncio.get_running_loop().create_task(self._answer_dns(eth, ip))
+            if self.dns_in_flight < MAX_DNS_IN_FLIGHT:
+                self.dns_in_flight += 1
+                asyncio.get_running_loop().create_task(self._answer_dns(eth, ip))
         elif dst.is_multicast or dst == ipaddress.IPv4Address("255.255.255.255"):
             return
-        elif self.rules.permits(dst, self.names.get(dst, ())):
+        elif self.permits(dst, self.names.get(dst, ())):
             self._send(self.to_net, frame)
         else:
             self._refuse(eth, ip)
 
     async def _answer_dns(self, eth: dpkt.ethernet.Ethernet, ip: dpkt.ip.IP) -> None:
+        try:
+            await self._answer_dns_question(eth, ip)
+        finally:
+            self.dns_in_flight -= 1
+
+    async def _answer_dns_question(self, eth: dpkt.ethernet.Ethernet, ip: dpkt.ip.IP) -> None:
         # dnspython takes a fifth of a second to import: not on the path of every machine's start.
         import dns.flags
         import dns.message
@@ -132,17 +176,28 @@ class Filter:
                 response.set_rcode(dns.rcode.REFUSED)
             elif question.rdtype in (dns.rdatatype.A, dns.rdatatype.ANY):
                 addresses = await self._resolve(name)
+                reachable = [a for a in addresses or ()
+                             if self.permits(ipaddress.IPv4Address(a), (name,))]
                 if addresses is None:
                     response.set_rcode(dns.rcode.NXDOMAIN)
-                elif addresses:
-                    for address in addresses:
-                        self.names[ipaddress.IPv4Address(address)].add(name)
+                elif addresses and not reachable:
+                    response.set_rcode(dns.rcode.REFUSED)  # nothing it resolves to may be reached
+                elif reachable:
+                    self._remember(name, reachable)
                     response.answer.append(dns.rrset.from_text_list(
-                        question.name, DNS_TTL, dns.rdataclass.IN, dns.rdatatype.A, addresses))
+                        question.name, DNS_TTL, dns.rdataclass.IN, dns.rdatatype.A, reachable))
             # Other types (AAAA included: the guest has no IPv6 route) get an empty answer.
         reply = dpkt.udp.UDP(sport=53, dport=udp.sport, data=response.to_wire())
         reply.ulen = len(reply)
         self._reply(eth, ip, reply, dpkt.ip.IP_PROTO_UDP)
+
+    def _remember(self, name: str, addresses: list[str]) -> None:
+        if len(self.names) >= MAX_NAMED_ADDRESSES:
+            self.names.clear()  # a flood of questions cannot grow the filter without bound
+        for address in addresses:
+            known = self.names[ipaddress.IPv4Address(address)]
+            if len(known) < 64:
+                known.add(name)
 
     @staticmethod
     async def _resolve(name: str) -> list[str] | None:

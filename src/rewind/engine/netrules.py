@@ -17,6 +17,11 @@ GUEST_NET = ipaddress.ip_network("10.0.2.0/24")
 HOST_ALIAS = ipaddress.ip_address("10.0.2.2")  # QEMU sends this address to the host's loopback
 DNS_SERVER = ipaddress.ip_address("10.0.2.3")  # answered by our filter, not by QEMU
 HOST_LOOPBACK = ipaddress.ip_address("127.0.0.1")
+# Addresses that always mean the host itself to QEMU's user-mode network: a connection it
+# makes on the guest's behalf to 0.0.0.0 or any 127.x lands on the host's loopback.
+# (Seen here: a raw SYN to 0.0.0.0 reached a host service bound to 127.0.0.1.)
+HOST_RANGES = (ipaddress.ip_network("0.0.0.0/8"), ipaddress.ip_network("127.0.0.0/8"))
+LOOPBACK_RANGE = HOST_RANGES[1]
 
 _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 
@@ -58,8 +63,10 @@ class NetworkRules:
     """Which destinations a machine may reach.
 
     With `internet` on, everything except `deny` is reachable; with it off, only
-    `allow`. `deny` wins over `allow`. The host's own loopback services (10.0.2.2 in
-    the guest) are reachable only when an allow rule covers 127.0.0.1."""
+    `allow`. `deny` wins over `allow`. The host itself (10.0.2.2 in the guest, 0.0.0.0/8,
+    127.0.0.0/8 and the host's own addresses) is judged before everything else: it is
+    reachable only when an allow rule inside 127.0.0.0/8 covers 127.0.0.1, so neither the
+    internet nor a broad range such as 0.0.0.0/0 opens it."""
 
     internet: bool = True
     allow: tuple[str, ...] = ()
@@ -94,23 +101,41 @@ class NetworkRules:
                 return True
         return False
 
-    def permits(self, address: IPAddress, names: Iterable[str] = ()) -> bool:
-        """May the guest reach `address`, known to it by `names` (from its DNS answers)?"""
-        if address == HOST_ALIAS:
-            address = HOST_LOOPBACK
-        elif address in GUEST_NET:
-            return False  # QEMU's other virtual hosts
+    def permits_host(self) -> bool:
+        """May the guest reach services on the host (what 10.0.2.2 leads to)?"""
+        if self._hits(self.deny, HOST_LOOPBACK, ()):
+            return False
+        return any(is_range(rule) and HOST_LOOPBACK in (net := ipaddress.ip_network(rule))
+                   and net.subnet_of(LOOPBACK_RANGE) for rule in self.allow)
+
+    def permits(self, address: IPAddress, names: Iterable[str] = (), host: bool = False) -> bool:
+        """May the guest reach `address`, known to it by `names` (from its DNS answers)?
+        `host` says the address is one of the host's own (the filter finds those out)."""
+        if host or is_host_address(address):
+            return self.permits_host()
+        if address.version != 4 or address in GUEST_NET:
+            return False  # QEMU's other virtual hosts; IPv6 has no route out
         names = list(names)
         if self._hits(self.deny, address, names):
             return False
         if self._hits(self.allow, address, names):
             return True
-        return self.internet and not address.is_loopback
+        return self.internet
 
     def permits_name(self, name: str) -> bool:
-        """May the guest resolve `name`? Names it could never reach are refused at once."""
+        """May the guest ask for `name` at all? Names it could never reach are refused at
+        once. A name that passes resolves only to the addresses `permits` lets through
+        (the filter drops the others from the answer), so an allowed range does not make
+        every name resolvable."""
         if any(name_matches(r, name) for r in self.deny if not is_range(r)):
             return False
-        # Without the internet a name resolves if allowed by name, or if some range is
-        # allowed (the address it resolves to is then checked at each connection).
         return self.internet or any(is_range(r) or name_matches(r, name) for r in self.allow)
+
+
+def is_host_address(address: IPAddress) -> bool:
+    """Does QEMU's user-mode network take `address` to the host itself, whatever the host's
+    own addresses are? (Those are found out by the filter, which runs on the host.)"""
+    if address.version == 6:
+        return address.is_loopback or address.is_unspecified or (
+            address.ipv4_mapped is not None and is_host_address(address.ipv4_mapped))
+    return address == HOST_ALIAS or any(address in net for net in HOST_RANGES)
