@@ -23,6 +23,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from rewind.engine import pending
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
@@ -359,8 +360,8 @@ def _store(store_dir: str | None) -> Store:
     return open_store(engine.home, store_dir)
 
 
-def _point(store: Store, source: str) -> CheckpointManifest:
-    """A checkpoint file (-o), a machine (its last point) or a checkpoint reference."""
+def _source(source: str) -> str | CheckpointManifest:
+    """A checkpoint file (-o) read, a machine's last point, or a checkpoint reference as given."""
     path = Path(source)
     if path.is_file():
         try:
@@ -370,10 +371,17 @@ def _point(store: Store, source: str) -> CheckpointManifest:
     try:
         machine = Engine().get(source)
     except (InvalidArgument, NotFound):
-        return store.get(source)
-    if machine.record.parent is None:
+        return source
+    parent = pending.surviving(machine.engine.home, machine.record.parent)
+    if parent is None:
         raise NotFound(f"machine {source!r} has no checkpoint yet")
-    return store.get(machine.record.parent)
+    return parent
+
+
+def _point(store: Store, source: str) -> CheckpointManifest:
+    """The stored checkpoint a file (-o), a machine (its last point) or a reference names."""
+    found = _source(source)
+    return found if isinstance(found, CheckpointManifest) else store.get(found)
 
 
 def _checkpoint_json(c: Checkpoint) -> dict:
@@ -463,9 +471,9 @@ def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
 def create(name: str, source: str, at: str | None, labels: tuple[str, ...], store_dir: str | None,
            as_json: bool) -> None:
     """Start a new machine NAME from a checkpoint."""
-    store = _store(store_dir)
-    machine = Engine().create_from(store, _point(store, source), name=name,
-                                   labels=parse_pairs(labels, "--label"), at=at)
+    engine = Engine()  # a point not yet stored runs from its capture: no settle here
+    machine = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
+                                 labels=parse_pairs(labels, "--label"), at=at)
     if as_json:
         emit_json(dataclasses.asdict(machine.info()))
     else:

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewind.engine import pending
 from rewind.engine.agent import ExecResult
 from rewind.engine.checkpoint import HISTORY
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.points import Point
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.guarded import GuardedResult, guarded
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
@@ -44,7 +46,7 @@ class Checkpoint:
     pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
 
     @classmethod
-    def of(cls, entry: HistoryEntry, ref: str = "~0") -> Checkpoint:
+    def of(cls, entry: HistoryEntry | Point, ref: str = "~0") -> Checkpoint:
         return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
                    created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref)
 
@@ -225,9 +227,10 @@ class Sandbox:
 
     def history(self) -> list[Checkpoint]:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""
-        self._machine.engine.settle()
+        engine = self._machine.engine
+        engine.settle()
         self._machine.reload()
-        parent = self._machine.record.parent
+        parent = pending.surviving(engine.home, self._machine.record.parent)
         return history_of(self._store.get(parent)) if parent else []
 
     def restore(self, ref: str) -> Checkpoint:

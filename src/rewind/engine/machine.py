@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -28,11 +29,12 @@ from pathlib import Path
 from rewind.engine import netfilter, pending
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
-from rewind.engine.checkpoint import HISTORY, Caches, state_of, trim_ram_cache
+from rewind.engine.checkpoint import HISTORY, Caches, trim_ram_cache
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
+from rewind.engine.points import Located, Point, locate
 from rewind.engine.qemu import (
     AGENT_PORTS,
     QMP_SOCKET,
@@ -78,6 +80,7 @@ RECORD = "machine.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 Report = Callable[[str], None]
+log = logging.getLogger("rewind")
 
 
 def validate_name(name: str) -> str:
@@ -108,6 +111,12 @@ def _names_a_checkpoint(store: Store, name: str) -> bool:
     except (UnknownCheckpoint, BadRef):  # BadRef: a name such as "c0" also reads as a short id
         return False
     return True
+
+
+def _report_lost(messages: list[str]) -> None:
+    """Points that could never be stored (the host restarted before): said once, then forgotten."""
+    for message in messages:
+        log.warning(message)
 
 
 def _hostname(name: str) -> str:
@@ -446,16 +455,18 @@ class Machine:
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
-                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
+                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0, started_from=r.ram)
             pending.record(home, point)
             r.parent = point_id
             self._save()
-        trim_ram_cache(caches, {Path(m.record.ram) for m in self.engine.list() if m.record.ram})
+        # Kept: images machines run on, and captures not yet stored (their commit reads them).
+        keep = {Path(m.record.ram) for m in self.engine.list() if m.record.ram}
+        trim_ram_cache(caches, keep | {Path(p.ram) for p in pending.captured(home)})
         return point
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
-        pending.settle(self.engine.home, self.record.uuid)
+        _report_lost(pending.settle(self.engine.home, self.record.uuid))
 
     def _reconcile_disks(self, mon: Monitor) -> None:
         """If an interrupted checkpoint already gave the running QEMU a new top layer that the
@@ -473,18 +484,19 @@ class Machine:
         self.record.disks.append(name)
         self._save()
 
-    def restore(self, store: Store, ref: str) -> CheckpointManifest:
+    def restore(self, store: Store, ref: str) -> Point:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
-        same name, identity and handle. The state it leaves is checkpointed first."""
+        same name, identity and handle. The state it leaves is checkpointed first. A point
+        not yet stored runs from its capture here."""
         self.reload()
         if ref.startswith("~") and self.record.parent is None:
             raise NotFound(f"machine {self.name!r} has no checkpoint yet to count back from")
         target = self.engine.find_point(store, ref, self.record.parent if ref.startswith("~") else None)
-        shape = (target.meta.get("memory_mib"), target.meta.get("cpus"))
-        if shape != (self.record.memory_mib, self.record.cpus):
-            raise InvalidArgument(f"checkpoint {target.id[:12]} is of a {target.meta.get('memory_mib')} MiB, "
-                                  f"{target.meta.get('cpus')}-vCPU machine; restore it as a new machine")
-        state = state_of(store, Caches.of(self.engine.home.root, self.engine.home.runtime), target)
+        meta = target.point.meta
+        if (meta.get("memory_mib"), meta.get("cpus")) != (self.record.memory_mib, self.record.cpus):
+            raise InvalidArgument(f"checkpoint {target.point.id[:12]} is of a {meta.get('memory_mib')} MiB, "
+                                  f"{meta.get('cpus')}-vCPU machine; restore it as a new machine")
+        state = target.state()
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.status() == "running":
@@ -495,15 +507,17 @@ class Machine:
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
             self._start_from_state(state)
-            r.state, r.parent = "running", target.id
+            r.state, r.parent = "running", target.point.id
             self._save()
-        return target
+        return target.point
 
     def _settle_before_ending(self) -> None:
-        """Before its QEMU ends, let its checkpoints be written. One that cannot be stored now
-        keeps its journal and files, and the next settle reports it."""
-        with contextlib.suppress(RewindError):
-            self.settle()
+        """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
+        capture is lost if its QEMU ends first); storing them goes on without it."""
+        for point in pending.captured(self.engine.home):
+            if point.machine_uuid == self.record.uuid and point.end_qemu is None:
+                with contextlib.suppress(RewindError):
+                    pending.wait_captured(self.engine.home, point)
 
     def delete(self) -> None:
         self._settle_before_ending()
@@ -608,21 +622,16 @@ class Engine:
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
         if name is not None:
             validate_name(name)
-        manifest = ref if isinstance(ref, CheckpointManifest) else self.find_point(store, ref)
+        found = self.find_point(store, ref)
         if at is not None:
-            manifest = store.get(at, relative_to=manifest)
-        state = state_of(store, Caches.of(self.home.root, self.home.runtime), manifest)
-        return self._run_point(name, manifest.id, manifest.machine, manifest.meta, state, labels, network)
+            found = self.find_point(store, at, relative_to=found.point.id)
+        point = found.point
+        return self._run_point(name, point.id, point.machine, point.meta, found.state(), labels, network)
 
-    def find_point(self, store: Store, ref: str, relative_to: str | None = None) -> CheckpointManifest:
-        """store.get(ref, relative_to), waiting for pending checkpoints only if they are not
-        found stored (the points a stored one counts back through are all stored: parents
-        are committed first)."""
-        try:
-            return store.get(ref, relative_to=relative_to)
-        except UnknownCheckpoint:
-            self.settle()
-            return store.get(ref, relative_to=relative_to)
+    def find_point(self, store: Store, ref: str | CheckpointManifest,
+                   relative_to: str | None = None) -> Located:
+        """The point `ref` names, stored or still being stored here (see points.py)."""
+        return locate(self.home, store, ref, relative_to)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
              labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
@@ -647,7 +656,7 @@ class Engine:
 
     def settle(self) -> None:
         """Return once every machine's checkpoints are all in their stores (see pending.py)."""
-        pending.settle(self.home)
+        _report_lost(pending.settle(self.home))
 
     def replace(self, original: Machine, successor: Machine) -> None:
         """`successor`, a running copy of `original`, takes over its name, identity, labels and

@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -53,6 +54,7 @@ class SplitResult:
     pages_written: int  # non-zero pages written to the raw file
     zero_pages: int
     devstate_bytes: int  # size of the stream kept
+    cpu_s: float = 0.0  # CPU the splitter process used
 
 
 class _Reader:
@@ -291,6 +293,7 @@ def main(argv: list[str]) -> int:
             os.close(fd)
     except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process
         result = {"error": f"{type(e).__name__}: {e}"}
+    result["cpu_s"] = round(time.process_time(), 4)
     with open(done + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(done + ".tmp", done)

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -24,10 +25,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rewind.engine.checkpoint import Caches, commit_capture
-from rewind.engine.migstream import StreamError
+from rewind.engine.migstream import SplitResult, StreamError
 from rewind.engine.qemu import process_alive, start_detached, wait_exit
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.snapshot import SavedState, wait_written, write_out, write_out_started
+from rewind.engine.snapshot import (
+    CAPTURE_TIMEOUT,
+    SavedState,
+    wait_written,
+    write_out,
+    write_out_started,
+)
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
@@ -62,6 +69,7 @@ class PendingCheckpoint:
     end_layer: str | None = None  # and the empty top layer it was left writing to
     monitor: str | None = None  # that QEMU's QMP socket, while its memory is still to be written out
     not_before: float = 0.0  # the background committer waits until then (see START_FIRST_S)
+    started_from: str | None = None  # the memory image its QEMU began from (the commit compares with it)
 
     @property
     def state(self) -> SavedState:
@@ -69,9 +77,45 @@ class PendingCheckpoint:
         return SavedState(ram=Path(self.ram), devstate=Path(self.devstate),
                           disks=[Path(d) for d in self.disks])
 
-    def wait_written(self) -> None:
+    def wait_written(self) -> SplitResult:
         """Wait until QEMU has written the memory out; StreamError if it failed."""
-        wait_written(Path(self.done))
+        return wait_written(Path(self.done))
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    """What storing one point cost, one JSON line each in commit_stats_path (for `bench`)."""
+
+    id: str
+    cpu_s: float  # the splitter's and the commit's CPU together
+    split_cpu_s: float
+    seconds: float  # from the capture until it was in the store
+    version: int = 1
+
+
+def commit_stats_path(home: Home) -> Path:
+    return home.root / "pending" / "stats.jsonl"
+
+
+def read_commit_stats(home: Home) -> list[CommitStats]:
+    try:
+        lines = commit_stats_path(home).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    stats = []
+    for line in lines:
+        with contextlib.suppress(ValueError, TypeError):
+            stats.append(CommitStats(**json.loads(line)))
+    return stats
+
+
+def _append_stats(home: Home, stats: CommitStats) -> None:
+    # One short write with O_APPEND: lines from concurrent committers do not interleave.
+    fd = os.open(commit_stats_path(home), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(asdict(stats)) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def journals(home: Home, machine_uuid: str | None = None) -> list[Path]:
@@ -89,7 +133,7 @@ def record(home: Home, point: PendingCheckpoint) -> None:
     """Journal `point` and start its committer."""
     folder = home.root / "pending"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{point.seq}-{point.machine_uuid}-{point.id}.json"
+    path = journal_path(home, point)
     tmp = folder / f".{path.name}.tmp"
     tmp.write_text(json.dumps(asdict(point)))
     os.replace(tmp, path)
@@ -102,20 +146,123 @@ def start_committer(home: Home, journal: Path) -> None:
                     str(home.root), str(home.images), str(journal)])
 
 
-def settle(home: Home, machine_uuid: str | None = None) -> None:
-    """Return once every pending checkpoint (of one machine, or all) is in its store."""
+def settle(home: Home, machine_uuid: str | None = None) -> list[str]:
+    """Return once every pending checkpoint (of one machine, or all) is in its store. Returns
+    what was lost since the last call (each lost point is reported once)."""
     for path in journals(home, machine_uuid):
         _commit(home, path, report=True)
+    return take_lost(home)
+
+
+def _lost_path(home: Home) -> Path:
+    return home.root / "pending" / "lost.jsonl"
+
+
+def _lose(home: Home, path: Path, point: PendingCheckpoint, reason: str) -> None:
+    """Forget a checkpoint that can never be stored, noting it for the next settle to report.
+    A tombstone keeps its parent, so whatever named it (a machine's last point, a child's
+    parent) now leads to the point before it."""
+    tomb = home.root / "pending" / "lost" / point.id
+    tomb.parent.mkdir(exist_ok=True)
+    tomb.write_text(point.parent or "")
+    line = json.dumps({"id": point.id, "machine": point.machine, "reason": reason}) + "\n"
+    with contextlib.suppress(OSError):
+        fd = os.open(_lost_path(home), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    _forget(path, point)
+
+
+def surviving(home: Home, point_id: str | None) -> str | None:
+    """`point_id`, or the nearest point before it that was not lost."""
+    seen = set()
+    while point_id is not None and point_id not in seen:
+        seen.add(point_id)
+        try:
+            point_id = (home.root / "pending" / "lost" / point_id).read_text() or None
+        except (FileNotFoundError, ValueError):
+            return point_id
+    return point_id
+
+
+def take_lost(home: Home) -> list[str]:
+    """The checkpoints lost since the last call, as messages; each is given once."""
+    taken = _lost_path(home).with_suffix(f".{os.getpid()}")
+    try:
+        os.rename(_lost_path(home), taken)
+    except FileNotFoundError:
+        return []
+    messages = []
+    for line in taken.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            lost = json.loads(line)
+            messages.append(f"checkpoint {lost['id'][:12]} of {lost['machine']} was lost before it was "
+                            f"stored: {lost['reason']}")
+    taken.unlink()
+    return messages
 
 
 def pending_names(home: Home) -> set[str]:
     """Checkpoint names taken by pending checkpoints."""
-    names = set()
+    return {point.name for point in captured(home) if point.name}
+
+
+def load(path: Path) -> PendingCheckpoint:
+    """A journal, read; RewindError if it is damaged (FileNotFoundError if it is gone)."""
+    try:
+        return PendingCheckpoint(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise RewindError(f"the journal {path} is damaged ({e}); remove it to forget that "
+                          "checkpoint") from None
+
+
+def captured(home: Home) -> list[PendingCheckpoint]:
+    """The checkpoints captured here and not yet stored, oldest first (damaged journals are
+    skipped here; settle reports them)."""
+    points = []
     for path in journals(home):
-        with contextlib.suppress(OSError, ValueError):
-            if name := json.loads(path.read_text()).get("name"):
-                names.add(name)
-    return names
+        with contextlib.suppress(OSError, RewindError):
+            points.append(load(path))
+    return points
+
+
+def journal_path(home: Home, point: PendingCheckpoint) -> Path:
+    return home.root / "pending" / f"{point.seq}-{point.machine_uuid}-{point.id}.json"
+
+
+def wait_captured(home: Home, point: PendingCheckpoint) -> SavedState | None:
+    """The files to run a pending point from, once its memory is all written out (a restore's
+    stopped QEMU is asked to write it now, unless its committer already does); None if the
+    point was stored meanwhile (its files then come from the store). StreamError if the
+    capture failed: the point is lost."""
+    journal = journal_path(home, point)
+    if point.monitor is not None:
+        try:
+            fd = os.open(journal, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its committer writes it out
+            _write_out(point)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + CAPTURE_TIMEOUT
+    while not Path(point.done).exists():
+        if not journal.exists():
+            return None
+        if time.monotonic() > deadline:
+            raise StreamError(f"the memory of checkpoint {point.id[:12]} was not written within "
+                              f"{CAPTURE_TIMEOUT:.0f} s")
+        time.sleep(0.005)
+    try:
+        point.wait_written()
+    except FileNotFoundError:  # stored and forgotten between the two looks
+        return None
+    return point.state
 
 
 def _commit(home: Home, path: Path, report: bool) -> None:
@@ -129,32 +276,51 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if not path.exists():
             return
-        point = PendingCheckpoint(**json.loads(path.read_text()))
-        for earlier in journals(home, point.machine_uuid):  # its parent, if pending, goes first
+        point = load(path)
+        # Its parent goes first (this machine's earlier points, or the point of another
+        # machine it was forked or created from): the commit refers to it.
+        for earlier in journals(home, point.machine_uuid):
             if _seq(earlier) < point.seq:
                 _commit(home, earlier, report)
+        if point.parent is not None:
+            for parent in (home.root / "pending").glob(f"*-{point.parent}.json"):
+                _commit(home, parent, report)
         try:
             _write_out(point)
-            point.wait_written()
+            split = point.wait_written()
+            missing = [f for f in (point.ram, point.devstate, *point.disks) if not Path(f).exists()]
+            if missing:  # the host restarted (tmpfs emptied), or someone removed them
+                raise StreamError(f"its captured files are gone ({missing[0]})")
         except StreamError as e:
             _end_qemu(point)
-            _forget(path, point)
-            if report:
-                raise RewindError(f"checkpoint {point.id[:12]} of {point.machine} was lost: {e}") from None
+            _lose(home, path, point, str(e))
             return
         _end_qemu(point)
+        cpu_before = _process_cpu()
         try:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
-                           point.state, machine=point.machine, parent=point.parent, name=point.name,
-                           labels=point.labels, meta=point.meta, history=point.history)
+                           point.state, machine=point.machine, parent=surviving(home, point.parent),
+                           name=point.name,
+                           labels=point.labels, meta=point.meta, history=point.history,
+                           started_from=None if point.started_from is None else Path(point.started_from))
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "
                                  f"stored: {e}") from None
             return
+        cpu = _process_cpu() - cpu_before
         _forget(path, point)
+        with contextlib.suppress(OSError):
+            _append_stats(home, CommitStats(id=point.id, cpu_s=round(cpu + split.cpu_s, 4),
+                                            split_cpu_s=split.cpu_s,
+                                            seconds=round(time.time() - point.created, 3)))
     finally:
         os.close(fd)
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _write_out(point: PendingCheckpoint) -> None:

@@ -1,0 +1,144 @@
+"""The agent's loop: points usable the moment they are captured, stored by what changed."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_checkpoints import ASK, SERVER
+
+from rewind import Home, Sandbox
+from rewind.engine import pending
+from rewind.engine.checkpoint import RAM_CHUNK_SIZE, RamBase, put_ram, unchanged_chunks
+from rewind.store import Store
+
+CS = RAM_CHUNK_SIZE
+
+
+def _sparse(path: Path, size: int, chunks: dict[int, bytes]) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, size)
+    for i, data in chunks.items():
+        os.pwrite(fd, data, i * CS)
+    os.close(fd)
+
+
+def test_unchanged_chunks_reads_without_filling_holes(tmp_path: Path) -> None:
+    """Only chunks whose bytes differ are reported changed; holes stay holes in both files
+    (a mapped read of a tmpfs hole would allocate it)."""
+    folder = Path("/dev/shm") / f"rewind-test-{os.getpid()}"
+    folder.mkdir()
+    try:
+        size = 200 * CS + 4096  # a short last chunk
+        base, new = folder / "base", folder / "new"
+        _sparse(base, size, {0: b"a" * CS, 5: b"b" * CS, 70: b"c" * 100, 200: b"d" * 4096})
+        _sparse(new, size, {0: b"a" * CS, 5: b"B" * CS, 71: b"e" * CS, 200: b"d" * 4096})
+        blocks = base.stat().st_blocks, new.stat().st_blocks
+        same = unchanged_chunks(new, base, CS, size)
+        assert same == set(range(201)) - {5, 70, 71}
+        assert (base.stat().st_blocks, new.stat().st_blocks) == blocks
+        assert unchanged_chunks(new, base, CS, size + 1) is None
+
+        store = Store.open(tmp_path / "store", create=True)
+        base_blob = store.put_blob(base, chunk_size=CS)
+        blob = put_ram(store, new, RamBase(base, base_blob))
+        assert blob == store.put_blob(new, chunk_size=CS)  # the same index as storing it all
+        store.materialize(blob, tmp_path / "back")
+        assert (tmp_path / "back").read_bytes() == new.read_bytes()
+    finally:
+        shutil.rmtree(folder)
+
+
+# 16 MiB in the guest's memory (a file on its tmpfs), every byte known from a seed.
+PATTERN = ("python3 -c 'import hashlib,sys; s=sys.argv[1].encode(); "
+           "open(\"/dev/shm/pattern\",\"r+b\" if sys.argv[2]==\"part\" else \"wb\").write(b\"\".join("
+           "hashlib.sha256(s+i.to_bytes(4,\"big\")).digest() for i in range(1<<19 if sys.argv[2]==\"all\" "
+           "else 1<<15)))' ")
+
+
+def _expected(seed: str, part_seed: str | None = None) -> str:
+    blocks = [hashlib.sha256(seed.encode() + i.to_bytes(4, "big")).digest() for i in range(1 << 19)]
+    if part_seed is not None:
+        blocks[:1 << 15] = [hashlib.sha256(part_seed.encode() + i.to_bytes(4, "big")).digest()
+                            for i in range(1 << 15)]
+    return hashlib.sha256(b"".join(blocks)).hexdigest()
+
+
+def test_a_point_stored_by_its_changes_restores_identical_memory(home: Home) -> None:
+    """The second point is stored by the chunks that differ from the first; after every local
+    copy is dropped, its memory comes back from the store byte for byte."""
+    sbx = Sandbox.create("pattern", home=home)
+    sbx.exec(PATTERN + "one all", check=True, timeout=120)
+    first = sbx.checkpoint(wait=True)
+    sbx.exec(PATTERN + "two part", check=True, timeout=120)  # 1 MiB of the 16 rewritten
+    second = sbx.checkpoint(wait=True)
+    assert second.own_bytes < 24 << 20, "the second point stored more than what changed"
+    ram = home.runtime / "ram" / f"{second.id}.ram"
+    captured = hashlib.sha256(ram.read_bytes()).hexdigest()
+    sbx.delete()
+
+    shutil.rmtree(home.runtime / "ram")  # every memory image on this host
+    shutil.rmtree(home.root / "cache")
+    store = Store.open(home.store)
+    store.materialize(store.get(second.id).blobs["ram"], home.root / "from-store.ram")
+    assert hashlib.sha256((home.root / "from-store.ram").read_bytes()).hexdigest() == captured
+    (home.root / "from-store.ram").unlink()
+    again = Sandbox.create("again", home=home, from_checkpoint=second.id)
+    got = again.exec("sha256sum /dev/shm/pattern", check=True, timeout=60).stdout.split()[0]
+    assert got == _expected("one", "two")
+    assert first.id in [c.id for c in again.history()]
+
+
+def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """With no committer at all, a point restores in place, makes a new machine and is
+    counted back from; the next reader stores it. A point whose captured files vanish
+    (a host restart empties tmpfs) is reported lost once, and nothing else breaks."""
+    monkeypatch.setattr(pending, "start_committer", lambda *_: None)
+    sbx = Sandbox.create("early", home=home)
+    sbx.files.write("/root/server.py", SERVER)
+    sbx.exec("nohup python3 /root/server.py >/dev/null 2>&1 &")
+    assert sbx.exec(ASK + " || (sleep 2; " + ASK + ")").stdout.split()[-1] == "1"
+    sbx.files.write("/root/f", "one")
+    one = sbx.checkpoint(name="one")
+    sbx.files.write("/root/f", "two")
+    two = sbx.checkpoint()
+    assert sbx.exec(ASK).stdout.strip() == "2"
+    sbx.exec("rm -f /root/f")
+
+    journals = pending.journals(home)
+    assert len(journals) == 2
+    sbx.restore(two.id)
+    assert sbx.files.read_text("/root/f") == "two"
+    assert sbx.exec(ASK).stdout.strip() == "2"  # the server's memory is that of the point
+    sbx.restore("~1")  # counted back through pending points
+    assert sbx.files.read_text("/root/f") == "one"
+    assert all(j.exists() for j in journals), "a restore waited for points to be stored"
+    child = Sandbox.create("early-child", home=home, from_checkpoint="one")
+    assert child.files.read_text("/root/f") == "one"
+    assert child.exec(ASK).stdout.strip() == "2"
+    assert child._machine.record.parent == one.id
+
+    # The next reader stores them all; the restores' own points too.
+    names = [c.name for c in sbx.history()]
+    assert names[-1] == "one" and not pending.journals(home)
+    assert Store.open(home.store).check(read_data=True).ok
+
+    # A capture whose files are gone before it is stored: lost, said once, the rest intact.
+    sbx.files.write("/root/f", "three")
+    three = sbx.checkpoint()
+    assert pending.journals(home)  # still pending
+    (home.runtime / "ram" / f"{three.id}.ram").unlink()
+    with caplog.at_level(logging.WARNING, logger="rewind"):
+        sbx.history()
+        sbx.history()
+    lost = [r.message for r in caplog.records if "was lost" in r.message]
+    assert len(lost) == 1 and three.id[:12] in lost[0]
+    assert not pending.journals(home)
+    assert sbx.files.read_text("/root/f") == "three" and sbx.exec("true").ok
+    sbx.restore("one")
+    assert sbx.files.read_text("/root/f") == "one"
