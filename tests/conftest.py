@@ -8,6 +8,7 @@ a test starts is deleted (its QEMU ended by PID) when the test ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rewind import Home, Sandbox
+from rewind import Home, RewindError, Sandbox
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import process_alive
 from rewind.image import build_image
@@ -37,6 +38,8 @@ def _cleanup(home: Home) -> None:
         pid, tag = machine.record.pid, machine.record.uuid
         machine.delete()
         assert pid is None or not process_alive(pid, tag), f"QEMU {pid} outlived its machine"
+    with contextlib.suppress(RewindError):
+        engine.settle()  # background commits end before their home goes
     shutil.rmtree(home.runtime, ignore_errors=True)  # memory files on tmpfs
 
 

@@ -6,14 +6,17 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox
-from rewind.engine import pending
+from rewind.engine import pending, ramcache
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, RamBase, put_ram, unchanged_chunks
+from rewind.engine.machine import Engine
 from rewind.store import Store
 
 CS = RAM_CHUNK_SIZE
@@ -142,3 +145,53 @@ def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.M
     assert sbx.files.read_text("/root/f") == "three" and sbx.exec("true").ok
     sbx.restore("one")
     assert sbx.files.read_text("/root/f") == "one"
+
+
+def _image_mib(home: Home) -> float:
+    return ramcache.usage(home.runtime / "ram").bytes / (1 << 20)
+
+
+def test_memory_images_stay_within_their_budget(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Images no machine runs on and whose point is stored are released past the budget and
+    brought back from the store when needed; with no machine left, only the template stays."""
+    monkeypatch.setenv(ramcache.BUDGET_ENV, "700")
+    monkeypatch.setattr(ramcache, "GRACE_S", 0.0)
+    sbx = Sandbox.create("budget", home=home)
+    points = []
+    for step in range(4):
+        sbx.files.write("/root/step", str(step))
+        points.append(sbx.checkpoint(wait=True).id)
+        pending.trim_images(home)
+        running = {os.stat(sbx._machine.record.ram).st_ino}
+        others = sum(i.size for ino, i in ramcache._images(home.runtime / "ram").items() if ino not in running)
+        assert others <= 700 << 20, f"{others >> 20} MiB of images beyond the one in use"
+    assert not (home.runtime / "ram" / f"{points[0]}.ram").exists(), "the oldest image was kept"
+    sbx.restore(points[0])  # brought back from the store
+    assert sbx.files.read_text("/root/step") == "0"
+    sbx.delete()
+    Engine(home).settle()  # the restore's own point, then the committer releases it too
+    pending.trim_images(home)
+    templates = sum(p.stat().st_blocks * 512 for p in (home.runtime / "ram").glob("template-*.ram"))
+    assert ramcache.usage(home.runtime / "ram").bytes == templates
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=420m", "tmpfs", str(mount)],
+                      capture_output=True, check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    monkeypatch.setenv("REWIND_RUNTIME", str(mount))
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_short_tmpfs_is_a_clear_error_before_any_work(small_tmpfs: Path, home: Home) -> None:
+    sbx = Sandbox.create("short", home=Home(root=home.root, images=home.images))
+    assert sbx._machine.engine.home.runtime == small_tmpfs
+    with pytest.raises(ramcache.NoRoom, match="needs up to 512 MiB"):
+        sbx.checkpoint()
+    assert sbx.exec("echo alive").stdout == "alive\n", "the machine did not survive the refusal"
+    assert not pending.journals(home)
+    sbx.delete()

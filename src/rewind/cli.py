@@ -23,7 +23,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rewind.engine import pending
+from rewind.engine import pending, ramcache
+from rewind.engine.checkpoint import Caches
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
@@ -673,6 +674,10 @@ def doctor(as_json: bool) -> None:
     except ImageError as e:
         report.update(image=str(e), accel=None)
     report["machines"] = {m.name: m.status() for m in engine.list()}
+    use = ramcache.usage(Caches.of(engine.home.root, engine.home.runtime).ram)
+    report["memory_images"] = use.to_json() if as_json else (
+        f"{use.images} on tmpfs, {use.bytes / (1 << 20):.0f} MiB of a {use.budget >> 20} MiB budget "
+        f"({use.free >> 20} MiB free; {ramcache.BUDGET_ENV} sets the budget)")
     if as_json:
         emit_json(report)
         return

@@ -205,29 +205,6 @@ def unchanged_chunks(path: Path, base: Path, chunk_size: int, size: int) -> set[
         os.close(base_fd)
 
 
-RAM_CACHE_KEEP = 4  # memory images kept on tmpfs beyond those machines run on
-# Nor is an image dropped within this many seconds of being used: a machine about to start
-# from it has not opened it yet (and QEMU would make an empty file in its place).
-RAM_CACHE_GRACE = 120.0
-
-
-def trim_ram_cache(caches: Caches, in_use: set[Path]) -> None:
-    """Drop the oldest cached memory images: they take host memory, and the store can unpack
-    them again. Images that machines run on are kept (deleting them would free nothing).
-    An image may have two names (its checkpoint's and its content's): both go together."""
-    images: dict[int, tuple[float, list[Path]]] = {}
-    for path in caches.ram.glob("*.ram"):
-        with contextlib.suppress(FileNotFoundError):
-            st = path.stat()  # last used: state_of sets the access time (see there)
-            images.setdefault(st.st_ino, (max(st.st_atime, st.st_mtime), []))[1].append(path)
-    recent = time.time() - RAM_CACHE_GRACE
-    free = sorted((image for image in images.values()
-                   if image[0] < recent and not in_use.intersection(image[1])), reverse=True)
-    for _, paths in free[RAM_CACHE_KEEP:]:
-        for path in paths:
-            path.unlink(missing_ok=True)
-
-
 def layer_path(caches: Caches, blob: BlobIndex) -> Path:
     """Where a disk layer is kept, unpacked, on this host."""
     return caches.layers / f"{blob_digest(blob)}.qcow2"
@@ -237,7 +214,7 @@ def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> Save
     """The files to run a checkpoint, unpacked from the store where not cached."""
     def cached(blob: BlobIndex, dest: Path) -> Path:
         try:
-            # Just used: trim_ram_cache leaves it alone for a while. Only the access time, so
+            # Just used: ramcache.trim leaves it alone for a while. Only the access time, so
             # the file keeps its identity for _indexed_once.
             os.utime(dest, ns=(time.time_ns(), dest.stat().st_mtime_ns))
         except FileNotFoundError:

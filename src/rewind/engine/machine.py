@@ -29,7 +29,7 @@ from pathlib import Path
 from rewind.engine import netfilter, pending
 from rewind.engine.accel import AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
-from rewind.engine.checkpoint import HISTORY, Caches, trim_ram_cache
+from rewind.engine.checkpoint import HISTORY, Caches
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.netrules import NetworkRules
@@ -372,6 +372,7 @@ class Machine:
             self.record.state = "stopped"
             self.record.pid = None
             self._save()
+        pending.trim_images(self.engine.home)
 
     def _shutdown(self) -> None:
         r = self.record
@@ -423,6 +424,7 @@ class Machine:
             folder.mkdir(parents=True, exist_ok=True)
         point_id = new_checkpoint_id()
         self.check_alive()
+        pending.ensure_room(home, self.record.memory_mib << 20, f"a checkpoint of {self.name!r}")
         with self.monitor() as mon:
             r = self.record
             self._reconcile_disks(mon)
@@ -459,9 +461,7 @@ class Machine:
             pending.record(home, point)
             r.parent = point_id
             self._save()
-        # Kept: images machines run on, and captures not yet stored (their commit reads them).
-        keep = {Path(m.record.ram) for m in self.engine.list() if m.record.ram}
-        trim_ram_cache(caches, keep | {Path(p.ram) for p in pending.captured(home)})
+        pending.trim_images(home)
         return point
 
     def settle(self) -> None:
@@ -511,16 +511,21 @@ class Machine:
             self._save()
         return target.point
 
-    def _settle_before_ending(self) -> None:
+    def _settle_before_ending(self, left_too: bool = False) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
-        capture is lost if its QEMU ends first); storing them goes on without it."""
-        for point in pending.captured(self.engine.home):
-            if point.machine_uuid == self.record.uuid and point.end_qemu is None:
-                with contextlib.suppress(RewindError):
-                    pending.wait_captured(self.engine.home, point)
+        capture is lost if its QEMU ends first); storing them goes on without it. With
+        `left_too`, the QEMUs its restores left stopped write theirs out too and are ended
+        (a machine being deleted leaves no process behind)."""
+        home = self.engine.home
+        for point in pending.captured(home):
+            if point.machine_uuid != self.record.uuid or (point.end_qemu is not None and not left_too):
+                continue
+            with contextlib.suppress(RewindError):
+                pending.wait_captured(home, point)
+            pending.end_qemu(point)
 
     def delete(self) -> None:
-        self._settle_before_ending()
+        self._settle_before_ending(left_too=True)
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.record.pid is not None and process_alive(self.record.pid, self.record.uuid):
@@ -534,6 +539,7 @@ class Machine:
             netfilter.stop(self.path, self.record.uuid)
             shutil.rmtree(self.disk_dir, ignore_errors=True)
             shutil.rmtree(self.path)
+        pending.trim_images(self.engine.home)
 
 
 class Engine:

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rewind.engine import ramcache
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import SplitResult, StreamError
 from rewind.engine.qemu import process_alive, start_detached, wait_exit
@@ -228,6 +229,20 @@ def captured(home: Home) -> list[PendingCheckpoint]:
     return points
 
 
+def trim_images(home: Home) -> None:
+    """Keep the memory images on tmpfs within their budget (see ramcache.py); captures not
+    yet stored stay. With no machine left in the home, only the templates stay."""
+    machines_left = any((home.root / "machines").glob("*/machine.json"))
+    ramcache.trim(Caches.of(home.root, home.runtime).ram, [Path(p.ram) for p in captured(home)],
+                  None if machines_left else 0)
+
+
+def ensure_room(home: Home, need: int, what: str) -> None:
+    """NoRoom unless `need` bytes of memory image fit on tmpfs (after releasing cached ones)."""
+    ramcache.ensure_room(Caches.of(home.root, home.runtime).ram, need,
+                         [Path(p.ram) for p in captured(home)], what)
+
+
 def journal_path(home: Home, point: PendingCheckpoint) -> Path:
     return home.root / "pending" / f"{point.seq}-{point.machine_uuid}-{point.id}.json"
 
@@ -292,10 +307,10 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             if missing:  # the host restarted (tmpfs emptied), or someone removed them
                 raise StreamError(f"its captured files are gone ({missing[0]})")
         except StreamError as e:
-            _end_qemu(point)
+            end_qemu(point)
             _lose(home, path, point, str(e))
             return
-        _end_qemu(point)
+        end_qemu(point)
         cpu_before = _process_cpu()
         try:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
@@ -310,6 +325,8 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             return
         cpu = _process_cpu() - cpu_before
         _forget(path, point)
+        with contextlib.suppress(OSError, RewindError):
+            trim_images(home)
         with contextlib.suppress(OSError):
             _append_stats(home, CommitStats(id=point.id, cpu_s=round(cpu + split.cpu_s, 4),
                                             split_cpu_s=split.cpu_s,
@@ -334,7 +351,7 @@ def _write_out(point: PendingCheckpoint) -> None:
         raise StreamError(f"its stopped QEMU is gone: {e}") from None
 
 
-def _end_qemu(point: PendingCheckpoint) -> None:
+def end_qemu(point: PendingCheckpoint) -> None:
     """End the QEMU a restore left, with SIGKILL: on a clean exit QEMU would unlink its PID
     file and sockets by path, and those paths are now its successor's."""
     if point.end_qemu is not None and process_alive(point.end_qemu, point.machine_uuid):

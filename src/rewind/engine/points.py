@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rewind.engine import pending
-from rewind.engine.checkpoint import Caches, state_of
+from rewind.engine.checkpoint import Caches, blob_digest, state_of
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.snapshot import SavedState
 from rewind.home import Home
@@ -65,13 +65,13 @@ def locate(home: Home, store: Store, ref: str | CheckpointManifest,
     `relative_to`, `REF~N`), whether stored or pending here."""
     caches = Caches.of(home.root, home.runtime)
     if isinstance(ref, CheckpointManifest):
-        return _stored(store, caches, ref)
+        return _stored(home, store, caches, ref)
     back = _BACK.fullmatch(ref) if isinstance(ref, str) else None
     if back is None:
         return _exact(home, store, caches, ref)
     start, steps = back.group(1), int(back.group(2))
     if not start and relative_to is None:
-        return _stored(store, caches, store.get(ref))  # the store says why it needs a point
+        return _stored(home, store, caches, store.get(ref))  # the store says why it needs a point
     base = start or pending.surviving(home, relative_to)
     if base is None:
         raise UnknownCheckpoint(f"{ref}: every point it could count back from was lost")
@@ -84,17 +84,22 @@ def locate(home: Home, store: Store, ref: str | CheckpointManifest,
             raise UnknownCheckpoint(f"{ref}: the history of {here.point.id[:12]} is shorter than that")
         here, steps = _exact(home, store, caches, parent), steps - 1
     if steps:
-        return _stored(store, caches, store.get(f"~{steps}", relative_to=here.point.id))
+        return _stored(home, store, caches, store.get(f"~{steps}", relative_to=here.point.id))
     return here
 
 
-def _stored(store: Store, caches: Caches, manifest: CheckpointManifest) -> Located:
-    return Located(Point.of_manifest(manifest), lambda: state_of(store, caches, manifest))
+def _stored(home: Home, store: Store, caches: Caches, manifest: CheckpointManifest) -> Located:
+    def state() -> SavedState:
+        ram = manifest.blobs["ram"]
+        if not (caches.ram / f"{blob_digest(ram)}.ram").exists():
+            pending.ensure_room(home, ram.size, f"the memory of checkpoint {manifest.id[:12]}")
+        return state_of(store, caches, manifest)
+    return Located(Point.of_manifest(manifest), state)
 
 
 def _exact(home: Home, store: Store, caches: Caches, ref: str) -> Located:
     try:
-        return _stored(store, caches, store.get(ref))
+        return _stored(home, store, caches, store.get(ref))
     except UnknownCheckpoint:
         pass
     matches = [p for p in pending.captured(home)
@@ -102,7 +107,7 @@ def _exact(home: Home, store: Store, caches: Caches, ref: str) -> Located:
     if len(matches) > 1:
         raise BadRef(f"{ref!r} names {len(matches)} checkpoints; give more of the id")
     if not matches:
-        return _stored(store, caches, store.get(ref))  # stored meanwhile, or not there at all
+        return _stored(home, store, caches, store.get(ref))  # stored meanwhile, or not there at all
     captured = matches[0]
 
     def state() -> SavedState:
