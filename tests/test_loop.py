@@ -162,8 +162,8 @@ def test_memory_images_stay_within_their_budget(home: Home, monkeypatch: pytest.
         sbx.files.write("/root/step", str(step))
         points.append(sbx.checkpoint(wait=True).id)
         pending.trim_images(home)
-        running = {os.stat(sbx._machine.record.ram).st_ino}
-        others = sum(i.size for ino, i in ramcache._images(home.runtime / "ram").items() if ino not in running)
+        running = os.stat(sbx._machine.record.ram).st_ino
+        others = sum(i.size for ino, i in ramcache._images(home.runtime / "ram").items() if ino != running)
         assert others <= 700 << 20, f"{others >> 20} MiB of images beyond the one in use"
     assert not (home.runtime / "ram" / f"{points[0]}.ram").exists(), "the oldest image was kept"
     sbx.restore(points[0])  # brought back from the store
