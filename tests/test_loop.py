@@ -15,46 +15,8 @@ from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox
 from rewind.engine import pending, ramcache
-from rewind.engine.checkpoint import RAM_CHUNK_SIZE, RamBase, put_ram, unchanged_chunks
 from rewind.engine.machine import Engine
 from rewind.store import Store
-
-CS = RAM_CHUNK_SIZE
-
-
-def _sparse(path: Path, size: int, chunks: dict[int, bytes]) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.ftruncate(fd, size)
-    for i, data in chunks.items():
-        os.pwrite(fd, data, i * CS)
-    os.close(fd)
-
-
-def test_unchanged_chunks_reads_without_filling_holes(tmp_path: Path) -> None:
-    """Only chunks whose bytes differ are reported changed; holes stay holes in both files
-    (a mapped read of a tmpfs hole would allocate it)."""
-    folder = Path("/dev/shm") / f"rewind-test-{os.getpid()}"
-    folder.mkdir()
-    try:
-        size = 200 * CS + 4096  # a short last chunk
-        base, new = folder / "base", folder / "new"
-        _sparse(base, size, {0: b"a" * CS, 5: b"b" * CS, 70: b"c" * 100, 200: b"d" * 4096})
-        _sparse(new, size, {0: b"a" * CS, 5: b"B" * CS, 71: b"e" * CS, 200: b"d" * 4096})
-        blocks = base.stat().st_blocks, new.stat().st_blocks
-        same = unchanged_chunks(new, base, CS, size)
-        assert same == set(range(201)) - {5, 70, 71}
-        assert (base.stat().st_blocks, new.stat().st_blocks) == blocks
-        assert unchanged_chunks(new, base, CS, size + 1) is None
-
-        store = Store.open(tmp_path / "store", create=True)
-        base_blob = store.put_blob(base, chunk_size=CS)
-        blob = put_ram(store, new, RamBase(base, base_blob))
-        assert blob == store.put_blob(new, chunk_size=CS)  # the same index as storing it all
-        store.materialize(blob, tmp_path / "back")
-        assert (tmp_path / "back").read_bytes() == new.read_bytes()
-    finally:
-        shutil.rmtree(folder)
-
 
 # 16 MiB in the guest's memory (a file on its tmpfs), every byte known from a seed.
 PATTERN = ("python3 -c 'import hashlib,sys; s=sys.argv[1].encode(); "

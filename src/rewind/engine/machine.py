@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rewind.engine import netfilter, pending
@@ -38,6 +38,7 @@ from rewind.engine.points import Located, Point, locate
 from rewind.engine.qemu import (
     AGENT_PORTS,
     QMP_SOCKET,
+    QMP_WARM_SOCKET,
     VmSpec,
     agent_socket,
     disk_node,
@@ -47,7 +48,7 @@ from rewind.engine.qemu import (
     wait_exit,
 )
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.snapshot import SavedState, capture, populate
+from rewind.engine.snapshot import SavedState, capture, ensure_populated, start_warming
 from rewind.engine.template import BOOT_TIMEOUT, Template, ensure_template, template_state
 from rewind.errors import (
     AlreadyExists,
@@ -152,8 +153,13 @@ class MachineRecord:
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
     extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
     ram: str | None = None  # the memory file its QEMU maps
-    populated: int | None = None  # the QEMU (PID) whose memory populate() has read
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
+
+    @classmethod
+    def from_json(cls, data: dict) -> MachineRecord:
+        """A record as saved; fields this version no longer keeps are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,7 @@ class Machine:
 
     def reload(self) -> None:
         try:
-            self.record = MachineRecord(**json.loads((self.path / RECORD).read_text()))
+            self.record = MachineRecord.from_json(json.loads((self.path / RECORD).read_text()))
         except FileNotFoundError:
             raise NotFound(f"machine {self.name!r} no longer exists") from None
 
@@ -392,7 +398,7 @@ class Machine:
 
     def _cleanup_runtime(self) -> None:
         netfilter.stop(self.path, self.record.uuid)
-        for name in (QMP_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
+        for name in (QMP_SOCKET, QMP_WARM_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
     # ---- checkpoints ----
@@ -430,9 +436,8 @@ class Machine:
             self._reconcile_disks(mon)
             top = Path(r.disks[-1])
             new_top = self._new_top()
-            if live and r.populated != r.pid:
-                populate(mon, r.memory_mib)
-                r.populated = r.pid
+            if live:
+                ensure_populated(mon, self.disk_dir, r.pid, r.memory_mib)
             cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
@@ -457,12 +462,17 @@ class Machine:
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
-                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0, started_from=r.ram)
+                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
             pending.record(home, point)
             r.parent = point_id
             self._save()
         pending.trim_images(home)
         return point
+
+    def warm(self) -> None:
+        """Prepare this machine's QEMU for its next checkpoint, in the background (see
+        snapshot.start_warming): for machines that will be checkpointed soon."""
+        start_warming(self.path, self.disk_dir, self.record.pid, self.record.memory_mib)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
@@ -509,23 +519,21 @@ class Machine:
             self._start_from_state(state)
             r.state, r.parent = "running", target.point.id
             self._save()
+            self.warm()
         return target.point
 
-    def _settle_before_ending(self, left_too: bool = False) -> None:
+    def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
-        capture is lost if its QEMU ends first); storing them goes on without it. With
-        `left_too`, the QEMUs its restores left stopped write theirs out too and are ended
-        (a machine being deleted leaves no process behind)."""
+        capture is lost if its QEMU ends first); storing them goes on without it, and their
+        committers end the QEMUs its restores left."""
         home = self.engine.home
         for point in pending.captured(home):
-            if point.machine_uuid != self.record.uuid or (point.end_qemu is not None and not left_too):
-                continue
-            with contextlib.suppress(RewindError):
-                pending.wait_captured(home, point)
-            pending.end_qemu(point)
+            if point.machine_uuid == self.record.uuid and point.end_qemu is None:
+                with contextlib.suppress(RewindError):
+                    pending.wait_captured(home, point)
 
     def delete(self) -> None:
-        self._settle_before_ending(left_too=True)
+        self._settle_before_ending()
         with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             if self.record.pid is not None and process_alive(self.record.pid, self.record.uuid):
@@ -572,7 +580,7 @@ class Engine:
     def get(self, name: str) -> Machine:
         path = self._path(name)
         try:
-            record = MachineRecord(**json.loads((path / RECORD).read_text()))
+            record = MachineRecord.from_json(json.loads((path / RECORD).read_text()))
         except FileNotFoundError:
             raise NotFound(f"no machine named {name!r}") from None
         except (ValueError, TypeError) as e:
@@ -696,6 +704,7 @@ class Engine:
                 os.rename(retired, home_dir)
                 successor.path, successor.record = own_dir, before
                 raise
+        successor.warm()  # it carries on as the machine: its next checkpoint comes soon
         Machine(self, retired, original.record).delete()
         original.path, original.record = successor.path, successor.record
 

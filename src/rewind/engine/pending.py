@@ -70,7 +70,6 @@ class PendingCheckpoint:
     end_layer: str | None = None  # and the empty top layer it was left writing to
     monitor: str | None = None  # that QEMU's QMP socket, while its memory is still to be written out
     not_before: float = 0.0  # the background committer waits until then (see START_FIRST_S)
-    started_from: str | None = None  # the memory image its QEMU began from (the commit compares with it)
 
     @property
     def state(self) -> SavedState:
@@ -316,8 +315,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
                            point.state, machine=point.machine, parent=surviving(home, point.parent),
                            name=point.name,
-                           labels=point.labels, meta=point.meta, history=point.history,
-                           started_from=None if point.started_from is None else Path(point.started_from))
+                           labels=point.labels, meta=point.meta, history=point.history)
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "

@@ -24,6 +24,7 @@ KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
 # File names inside a machine's run directory (relative: QEMU runs there, and
 # unix socket paths must stay short).
 QMP_SOCKET = "qmp.sock"
+QMP_WARM_SOCKET = "qmp-warm.sock"  # a second monitor, for populating memory in the background
 PID_FILE = "qemu.pid"
 CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
@@ -82,6 +83,7 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-device", f"vmgenid,guid={spec.vmgenid},id=vmgenid0",
         "-chardev", f"file,id=console,path={CONSOLE_LOG}", "-serial", "chardev:console",
         "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+        "-qmp", f"unix:{QMP_WARM_SOCKET},server=on,wait=off",
         "-pidfile", PID_FILE, "-daemonize",
         # The machine's UUID doubles as the tag that tells our QEMU from a reused PID.
         "-uuid", spec.tag,
@@ -151,11 +153,11 @@ def launch(spec: VmSpec, run_dir: Path) -> int:
     return int((run_dir / PID_FILE).read_text().strip())
 
 
-def start_detached(argv: list[str]) -> None:
+def start_detached(argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
     """Start a helper that outlives this process and is nobody's zombie (setsid -f: it
-    runs in a session of its own, its parent gone)."""
+    runs in a session of its own, its parent gone). `pass_fds` are inherited by it."""
     subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=True)
+                   stderr=subprocess.DEVNULL, check=True, pass_fds=pass_fds)
 
 
 def process_alive(pid: int, tag: str) -> bool:

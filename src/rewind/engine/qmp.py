@@ -60,6 +60,15 @@ class Monitor:
             raise MonitorError(f"QMP {name}: {reply['error'].get('desc', reply['error'])}")
         return reply.get("return")
 
+    def send_fd(self, fd: int, name: str) -> None:
+        """Hand QEMU a file descriptor (SCM_RIGHTS), known to it as `name` from then on."""
+        assert self._qmp is not None, "Monitor used outside its context"
+        try:
+            self._qmp.send_fd_scm(fd)
+        except (QMPError, OSError) as e:
+            raise MonitorError(f"cannot pass a file descriptor to QEMU: {e}") from None
+        self.cmd("getfd", fdname=name)  # replaces one of that name an interrupted capture left
+
     def quit(self) -> None:
         """Ask QEMU to exit; the monitor closing under us is the expected answer."""
         with contextlib.suppress(MonitorError):
