@@ -17,6 +17,8 @@ EXPECTED = {
     "branch_to_child_exec_s", "branch_source_pause_ms", "memory_per_idle_child_1_mib",
     "guard_none_added_ms", "guard_git_added_ms", "guard_fork_added_ms",
     "curve_64_checkpoint_s", "curve_128_pause_ms", "curve_128_size_mib", "curve_restore_s",
+    "loop_checkpoint_s", "loop_restore_to_exec_s", "loop_failed_try_s", "loop_passed_try_s",
+    "loop_guarded_git_s", "loop_background_cpu_s", "loop_shm_peak_mib",
 }
 
 

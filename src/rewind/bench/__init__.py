@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rewind.bench import ours
+from rewind.bench import loop, ours
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import run_peers
@@ -22,6 +22,8 @@ from rewind.home import Home
 from rewind.sandbox import Sandbox
 
 __all__ = ["Metric", "Report", "run"]
+
+LOOP_ROUNDS = 20
 
 
 def describe_host(home: Home) -> dict[str, str]:
@@ -54,7 +56,9 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             ours.machines_and_exec(home, report, rounds, progress)
             bench = ours.checkpoints(home, report, rounds, quick, progress)
             ours.guard(bench, report, quick, progress)
-            big, touched = ours.curve_machine(home, bench, quick)
+            bench.delete()  # the loop's figures are of one machine alone
+            loop.agent_loop(home, report, 3 if quick else LOOP_ROUNDS, progress)
+            big, touched = ours.curve_machine(home, quick)
             ours.memory_curve(big, touched, report, progress)
             run_peers(big, report, touched, rounds, progress)
         finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 from rewind.bench.model import Report
 from rewind.bench.ours import PROJECT, Progress, timed
 from rewind.engine import pending
+from rewind.engine.machine import Engine
 from rewind.home import Home
 from rewind.sandbox import Sandbox, try_in_copy
 
@@ -65,8 +66,8 @@ class LoopResult:
 def run_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
     """`rounds` rounds of the agent's loop on one new machine; the machine is deleted after."""
     result = LoopResult()
-    stats = pending.commit_stats_path(home)
-    stats.unlink(missing_ok=True)
+    Engine(home).settle()  # the loop's background work is its own
+    pending.commit_stats_path(home).unlink(missing_ok=True)
     sbx = Sandbox.create("loop", home=home)
     shm = ShmPeak()
     try:
