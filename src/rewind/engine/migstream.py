@@ -297,17 +297,20 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE`: split the stream
-    QEMU writes into the pipe whose read end is FD (QEMU holds the write end: `migrate fd:`),
-    memory into the open file RAM_FD (made by the requester: see write_out_started).
+    """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE READY_FD`: split the
+    stream QEMU writes into the pipe whose read end is FD (QEMU holds the write end: `migrate
+    fd:`), memory into the open file RAM_FD (made by the requester: see write_out_started).
+    One byte on READY_FD says it is ready to read.
 
     It runs detached, so the split finishes even if the rewind process that asked for the
     checkpoint dies. Whatever goes wrong, it reads the pipe to its end: a QEMU 7.2 whose
     background snapshot loses its reader mid-stream leaves guest memory write-protected and
     hangs for good. A requester that dies before QEMU has the write end leaves it no writer:
     the read ends at once. DONE is written last, atomically, with the result."""
-    fd_in, ram_fd, block, devstate_out, done = argv
+    fd_in, ram_fd, block, devstate_out, done, ready = argv
     source = PipeSource(int(fd_in))
+    os.write(int(ready), b"r")
+    os.close(int(ready))
     try:
         with open(devstate_out, "wb") as dst:
             result: dict = split_stream(source, block, int(ram_fd), dst).__dict__

@@ -24,7 +24,7 @@ from rewind.errors import RewindError
 GRACE_S = 20.0
 TEMPLATE_PREFIX = "template-"
 BUDGET_ENV = "REWIND_RAM_BUDGET_MIB"
-DEFAULT_BUDGET_MIB = 8192  # and never more than half of the file system
+DEFAULT_BUDGET_MIB = 4096  # and never more than a quarter of the file system
 MARGIN = 64 << 20  # left free on tmpfs beyond what an operation needs
 
 
@@ -48,7 +48,7 @@ class RamUse:
 
 
 def budget(folder: Path) -> int:
-    """The cache's budget in bytes: $REWIND_RAM_BUDGET_MIB, else 8 GiB or half of tmpfs."""
+    """The cache's budget in bytes: $REWIND_RAM_BUDGET_MIB, else 4 GiB or a quarter of tmpfs."""
     forced = os.environ.get(BUDGET_ENV)
     if forced:
         try:
@@ -56,7 +56,7 @@ def budget(folder: Path) -> int:
         except ValueError:
             raise NoRoom(f"{BUDGET_ENV} must be a whole number of MiB (got {forced!r})") from None
     total = _fs(folder)[0]
-    return min(DEFAULT_BUDGET_MIB << 20, total // 2)
+    return min(DEFAULT_BUDGET_MIB << 20, total // 4)
 
 
 def _fs(folder: Path) -> tuple[int, int]:
