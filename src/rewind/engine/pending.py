@@ -109,11 +109,12 @@ def read_commit_stats(home: Home) -> list[CommitStats]:
     return stats
 
 
-def _append_stats(home: Home, stats: CommitStats) -> None:
-    # One short write with O_APPEND: lines from concurrent committers do not interleave.
-    fd = os.open(commit_stats_path(home), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+def _append_line(path: Path, record: dict) -> None:
+    """Add one JSON line to `path`: one short write with O_APPEND, so lines from concurrent
+    committers do not interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, (json.dumps(asdict(stats)) + "\n").encode())
+        os.write(fd, (json.dumps(record) + "\n").encode())
     finally:
         os.close(fd)
 
@@ -165,13 +166,8 @@ def _lose(home: Home, path: Path, point: PendingCheckpoint, reason: str) -> None
     tomb = home.root / "pending" / "lost" / point.id
     tomb.parent.mkdir(exist_ok=True)
     tomb.write_text(point.parent or "")
-    line = json.dumps({"id": point.id, "machine": point.machine, "reason": reason}) + "\n"
     with contextlib.suppress(OSError):
-        fd = os.open(_lost_path(home), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        _append_line(_lost_path(home), {"id": point.id, "machine": point.machine, "reason": reason})
     _forget(path, point)
 
 
@@ -232,14 +228,17 @@ def trim_images(home: Home) -> None:
     """Keep the memory images on tmpfs within their budget (see ramcache.py); captures not
     yet stored stay. With no machine left in the home, only the templates stay."""
     machines_left = any((home.root / "machines").glob("*/machine.json"))
-    ramcache.trim(Caches.of(home.root, home.runtime).ram, [Path(p.ram) for p in captured(home)],
+    ramcache.trim(Caches.of(home.root, home.runtime).ram, lambda: _captured_images(home),
                   None if machines_left else 0)
 
 
 def ensure_room(home: Home, need: int, what: str) -> None:
     """NoRoom unless `need` bytes of memory image fit on tmpfs (after releasing cached ones)."""
-    ramcache.ensure_room(Caches.of(home.root, home.runtime).ram, need,
-                         [Path(p.ram) for p in captured(home)], what)
+    ramcache.ensure_room(Caches.of(home.root, home.runtime).ram, need, lambda: _captured_images(home), what)
+
+
+def _captured_images(home: Home) -> list[Path]:
+    return [Path(p.ram) for p in captured(home)]
 
 
 def journal_path(home: Home, point: PendingCheckpoint) -> Path:
@@ -326,9 +325,9 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         with contextlib.suppress(OSError, RewindError):
             trim_images(home)
         with contextlib.suppress(OSError):
-            _append_stats(home, CommitStats(id=point.id, cpu_s=round(cpu + split.cpu_s, 4),
-                                            split_cpu_s=split.cpu_s,
-                                            seconds=round(time.time() - point.created, 3)))
+            _append_line(commit_stats_path(home), asdict(CommitStats(
+                id=point.id, cpu_s=round(cpu + split.cpu_s, 4), split_cpu_s=split.cpu_s,
+                seconds=round(time.time() - point.created, 3))))
     finally:
         os.close(fd)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,19 +106,21 @@ def mapped_inodes() -> set[int]:
     return inodes
 
 
-def trim(folder: Path, pinned: Iterable[Path], limit: int | None = None) -> int:
+Pinned = Callable[[], Iterable[Path]]  # asked for only when something may be released
+
+
+def trim(folder: Path, pinned: Pinned, limit: int | None = None) -> int:
     """Release images, oldest first, until the cache is within `limit` bytes (default: the
     budget); images QEMU maps and `pinned` ones stay. Returns the bytes released."""
     limit = budget(folder) if limit is None else limit
-    pinned = set(pinned)
     images = _images(folder) if folder.is_dir() else {}
     total = sum(i.size for i in images.values())
     if total <= limit:
         return 0
-    mapped = mapped_inodes()
+    mapped, kept = mapped_inodes(), set(pinned())
     recent = time.time() - GRACE_S
     free = sorted((i for ino, i in images.items()
-                   if i.used < recent and ino not in mapped and not pinned.intersection(i.paths)
+                   if i.used < recent and ino not in mapped and not kept.intersection(i.paths)
                    and not any(p.name.startswith(TEMPLATE_PREFIX) for p in i.paths)),
                   key=lambda i: i.used)
     released = 0
@@ -131,7 +133,7 @@ def trim(folder: Path, pinned: Iterable[Path], limit: int | None = None) -> int:
     return released
 
 
-def ensure_room(folder: Path, need: int, pinned: Iterable[Path], what: str) -> None:
+def ensure_room(folder: Path, need: int, pinned: Pinned, what: str) -> None:
     """Make sure `need` bytes can be written to tmpfs, releasing cached images if that helps;
     NoRoom, before anything is done, if they cannot be."""
     if _fs(folder)[1] >= need + MARGIN:
