@@ -404,11 +404,13 @@ class Machine:
     # ---- checkpoints ----
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, live: bool = True, start_first: bool = False) -> PendingCheckpoint:
+                   history: int = HISTORY, live: bool = True, start_first: bool = False,
+                   held: bool = False) -> PendingCheckpoint:
         """Save memory, devices and disk as of one instant into `store`; the machine runs on,
         unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
         has written the memory out (the caller starts another in its place). `start_first`:
         a machine is about to start from it or in its place; its commit waits a moment.
+        `held`: the guest stays stopped until its memory is written (see snapshot.capture).
 
         Returns once the moment is captured; QEMU writing memory out and the commit into the
         store go on in the background (pending.py): `settle` waits for them."""
@@ -418,12 +420,12 @@ class Machine:
                 raise CheckpointExists(f"checkpoint name {name!r} is taken")
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
-                return self._checkpoint(store, name, labels, history, live, start_first)
+                return self._checkpoint(store, name, labels, history, live, start_first, held)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool, start_first: bool) -> PendingCheckpoint:
+                    history: int, live: bool, start_first: bool, held: bool) -> PendingCheckpoint:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
         for folder in (caches.ram, caches.devstate, caches.layers):
@@ -436,11 +438,12 @@ class Machine:
             self._reconcile_disks(mon)
             top = Path(r.disks[-1])
             new_top = self._new_top()
-            if live:
+            if live and not held:
                 ensure_populated(mon, self.disk_dir, r.pid, r.memory_mib)
             cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
-                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
+                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
+                          held=held)
             monitor = None
             if not live:
                 # Its memory is written out later, by its committer, through the QMP socket
@@ -648,13 +651,16 @@ class Engine:
         return locate(self.home, store, ref, relative_to)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
-             labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
+             labels: dict[str, str] | None = None, network: NetworkRules | None = None,
+             hold_source: bool = False) -> list[Machine]:
         """Live copies of `source` from this moment, one per name (None: a generated name).
-        The source pauses only to be captured once; the copies share that point."""
+        The source pauses only to be captured once; the copies share that point.
+        `hold_source`: it stays paused until its memory is written, which brings the copies
+        sooner (see snapshot.capture), for a caller that waits on them."""
         for name in names:
             if name is not None:
                 validate_name(name)
-        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True)
+        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True, held=hold_source)
         point.wait_written()  # the copies start from its files; storing it goes on meanwhile
         return [self._run_point(name, point.id, point.machine, point.meta, point.state, labels, network,
                                 forked_from=source.name) for name in names]
