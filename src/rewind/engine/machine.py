@@ -70,6 +70,7 @@ from rewind.store import (
     UnknownCheckpoint,
     new_checkpoint_id,
 )
+from rewind.store.disk import replace_durably
 from rewind.store.model import validate_checkpoint_name
 
 DEFAULT_MEMORY_MIB = 512
@@ -196,9 +197,17 @@ class Machine:
             raise NotFound(f"machine {self.name!r} no longer exists") from None
 
     def _save(self) -> None:
-        tmp = self.path / (RECORD + ".tmp")
-        tmp.write_text(json.dumps(asdict(self.record), indent=2))
-        os.replace(tmp, self.path / RECORD)
+        """Write the record; the caller holds the machine lock exclusively (else see _update)."""
+        replace_durably(self.path / RECORD, json.dumps(asdict(self.record), indent=2).encode())
+
+    def _update(self, change: Callable[[MachineRecord], None]) -> None:
+        """Reload the record, change it and save it under the record lock: for commands that
+        hold the machine lock shared (a checkpoint, new network rules), which would otherwise
+        undo each other's changes."""
+        with file_lock(self.path / "record.lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            change(self.record)
+            self._save()
 
     # ---- status ----
 
@@ -286,9 +295,7 @@ class Machine:
     def set_network(self, rules: NetworkRules) -> None:
         """Apply new network rules now (if running) and from every later start."""
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            self.reload()
-            self.record.network = rules.to_json()
-            self._save()
+            self._update(lambda r: setattr(r, "network", rules.to_json()))
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
@@ -418,8 +425,17 @@ class Machine:
             validate_checkpoint_name(name)
             if name in pending.pending_names(self.engine.home) or _names_a_checkpoint(store, name):
                 raise CheckpointExists(f"checkpoint name {name!r} is taken")
+        # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
+        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            return self._capture_point(store, name, labels, history, live, start_first, held)
+
+    def _capture_point(self, store: Store, name: str | None, labels: dict[str, str] | None,
+                       history: int = HISTORY, live: bool = True, start_first: bool = False,
+                       held: bool = False) -> PendingCheckpoint:
+        """checkpoint(), for a caller holding the machine lock."""
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
+                self.reload()
                 return self._checkpoint(store, name, labels, history, live, start_first, held)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
@@ -451,24 +467,27 @@ class Machine:
                 monitor = caches.devstate / f"{point_id}.qmp"
                 os.replace(self.path / QMP_SOCKET, monitor)
             # The frozen layer leaves this machine's folder (QEMU keeps its open file): a
-            # branch may run on it after this machine is gone.
+            # branch may run on it after this machine is gone. Its old name goes only once the
+            # record names the new layers: a kill in between leaves the record true.
             frozen = caches.layers / f"{point_id}.qcow2"
-            os.replace(top, frozen)
-            r.disks[-1:] = [str(frozen), str(new_top)]  # the running QEMU writes to new_top now
-            self._save()
+            os.link(top, frozen)
+            disks = [*r.disks[:-1], str(frozen)]
             point = PendingCheckpoint(
                 id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
                 parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
                 meta={"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
                       "mac": r.mac, "network": r.network, "pause_s": cap.pause_s},
-                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
+                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
                 not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
             pending.record(home, point)
-            r.parent = point_id
-            self._save()
+
+            def advance(record: MachineRecord) -> None:
+                record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
+            self._update(advance)
+            top.unlink()
         pending.trim_images(home)
         return point
 
@@ -515,7 +534,7 @@ class Machine:
             if self.status() == "running":
                 # The state it leaves is captured with its guest stopped; that QEMU writes its memory
                 # out and is ended in the background, once the new one has started in its place.
-                self.checkpoint(store, labels={"auto": "before-restore"}, live=False, start_first=True)
+                self._capture_point(store, None, {"auto": "before-restore"}, live=False, start_first=True)
             self._cleanup_runtime()
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
