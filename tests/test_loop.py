@@ -7,6 +7,8 @@ import logging
 import os
 import shutil
 import subprocess
+import time
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +16,8 @@ import pytest
 from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox
-from rewind.engine import pending, ramcache
-from rewind.engine.machine import Engine
+from rewind.engine import pending, prefault, ramcache
+from rewind.engine.machine import Engine, Machine
 from rewind.store import Store
 
 # 16 MiB in the guest's memory (a file on its tmpfs), every byte known from a seed.
@@ -157,3 +159,52 @@ def test_short_tmpfs_is_a_clear_error_before_any_work(small_tmpfs: Path, home: H
     assert sbx.exec("echo alive").stdout == "alive\n", "the machine did not survive the refusal"
     assert not pending.journals(home)
     sbx.delete()
+
+
+def _mapped_pages(pid: int, memory_mib: int) -> int:
+    """How many pages of QEMU `pid`'s guest memory are in its page tables (pagemap bit 63)."""
+    start = prefault.guest_ram_mapping(pid, memory_mib << 20)
+    with open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+        pagemap.seek(start // prefault.PAGE * 8)
+        entries = array("Q", pagemap.read((memory_mib << 20) // prefault.PAGE * 8))
+    return sum(entry >> 63 for entry in entries)
+
+
+def _populated_by(machine_dir: Path) -> str | None:
+    marker = machine_dir / "populated"  # the PID of the QEMU whose memory was all mapped
+    return marker.read_text() if marker.exists() else None
+
+
+@pytest.mark.parametrize("from_outside", [True, False], ids=["prefault", "through-qemu"])
+def test_a_restored_machine_is_ready_for_its_next_checkpoint(home: Home, monkeypatch: pytest.MonkeyPatch,
+                                                              from_outside: bool) -> None:
+    """After a restore, every page of the new QEMU's memory gets mapped, in the background from
+    outside QEMU, or by QEMU itself where this process may not read QEMU's memory (then at the
+    next checkpoint); the server's memory comes through both captures."""
+    if not from_outside:
+        def refused(pid: int, _memory_mib: int) -> None:
+            raise PermissionError(1, f"cannot read the memory of process {pid}")
+        monkeypatch.setattr(prefault, "fault_in_guest_ram", refused)
+        monkeypatch.setattr(Machine, "warm", lambda self: None)  # the background one would not see the patch
+    sbx = Sandbox.create("warm", home=home)
+    sbx.files.write("/root/server.py", SERVER)
+    sbx.exec("nohup python3 /root/server.py >/dev/null 2>&1 &")
+    first = sbx.exec(f"for i in $(seq 100); do {ASK} && exit; sleep 0.1; done", check=True)  # once it listens
+    assert first.stdout.split()[-1] == "1"
+    point = sbx.checkpoint()
+    sbx.restore(point.id)
+    machine = sbx._machine
+    pid, memory_mib = machine.record.pid, machine.record.memory_mib
+    assert pid is not None
+    if from_outside:
+        deadline = time.monotonic() + 60
+        while _populated_by(machine.disk_dir) != str(pid):
+            assert time.monotonic() < deadline, "the restored QEMU's memory was not mapped within 60 s"
+            time.sleep(0.05)
+        assert _mapped_pages(pid, memory_mib) == (memory_mib << 20) // prefault.PAGE
+    again = sbx.checkpoint()
+    assert _populated_by(machine.disk_dir) == str(pid)
+    assert _mapped_pages(pid, memory_mib) == (memory_mib << 20) // prefault.PAGE
+    assert sbx.exec(ASK, check=True).stdout.strip() == "2"
+    sbx.restore(again.id)
+    assert sbx.exec(ASK, check=True).stdout.strip() == "2"

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewind.engine import prefault
 from rewind.engine.locks import file_lock
 from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
 from rewind.engine.qemu import QMP_WARM_SOCKET, guest_ram_ranges, start_detached
@@ -42,9 +43,6 @@ SPLITTER_START_TIMEOUT = 30.0
 MIGRATION_FD = "rewind-capture"  # the pipe's write end, as QEMU knows it (getfd)
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, Python 3.10+ on Linux
 POPULATE_SLICE = 16 << 20  # about 10 ms of QEMU's main loop each (see populate)
-# In the background, smaller slices with a rest after each: a guest command then took 71 ms
-# instead of 38 while its memory was read (with 16 MiB slices and no rest, one waited 0.7 s).
-WARM_SLICE, WARM_REST_S = 4 << 20, 0.005
 # QEMU caps migration at 128 MiB/s by default (meant for live migration over a shared
 # network); a capture written to local tmpfs has no reason to wait for that.
 UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
@@ -155,48 +153,39 @@ def _done_file(devstate_out: Path) -> Path:
     return devstate_out.with_name(devstate_out.name + ".done")
 
 
-def populate(mon: Monitor, memory_mib: int, gentle_unless: Path | None = None) -> None:
-    """Have QEMU read all guest memory while the guest runs. QEMU 7.2's background snapshot
-    maps every page of memory before write-protecting it, with the guest stopped (we stop
-    it to freeze the disk at the same moment): the first time in a QEMU process that takes
-    about 0.2 s for 512 MiB, later a few ms. Reading it here first, in slices that each hold
-    QEMU's main lock briefly, keeps that out of the pause. (QEMU 10.0.2 does the same read,
-    measured here: 0.89 s of pause without this.)
+def populate(mon: Monitor, pid: int, memory_mib: int) -> None:
+    """Have all guest memory of QEMU `pid` mapped while the guest runs. QEMU 7.2's background
+    snapshot maps every page of memory before write-protecting it, with the guest stopped (we
+    stop it to freeze the disk at the same moment): the first time in a QEMU process that
+    takes about 0.2 s for 512 MiB, later a few ms. Doing it here first keeps that out of the
+    pause. (QEMU 10.0.2 does the same read, measured here: 0.89 s of pause without this.)
 
-    With `gentle_unless`, it goes gently (WARM_SLICE) until that file appears: a checkpoint
-    waiting for it."""
+    From outside QEMU (prefault.py) where this process may read QEMU's memory; else through
+    QEMU, in slices that each hold its main lock briefly."""
+    try:
+        prefault.fault_in_guest_ram(pid, memory_mib)
+        return
+    except (LookupError, OSError):
+        pass  # its memory not found by size, or no right to read it: QEMU reads it itself
     for start, size in guest_ram_ranges(memory_mib):
-        at = start
-        while at < start + size:
-            gentle = gentle_unless is not None and not gentle_unless.exists()
-            step = min(WARM_SLICE if gentle else POPULATE_SLICE, start + size - at)
-            mon.cmd("pmemsave", val=at, size=step, filename="/dev/null")
-            at += step
-            if gentle:
-                time.sleep(WARM_REST_S)
+        for at in range(start, start + size, POPULATE_SLICE):
+            mon.cmd("pmemsave", val=at, size=min(POPULATE_SLICE, start + size - at), filename="/dev/null")
 
 
 def _populated_marker(state_dir: Path) -> Path:
     return state_dir / "populated"  # holds the PID of the QEMU whose memory was read
 
 
-def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int, gently: bool = False) -> None:
+def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -> None:
     """populate() once per QEMU process: `state_dir` (the machine's, kept across renames)
-    says which QEMU was done. One started in the background (start_warming, `gently`) is
-    waited for, and told to hurry."""
-    marker, hurry = _populated_marker(state_dir), state_dir / "populate.hurry"
+    says which QEMU was done. One under way in the background (start_warming) is waited for."""
+    marker = _populated_marker(state_dir)
     if _reads(marker) == str(pid):
         return
-    if not gently:
-        hurry.touch()
-    try:
-        with file_lock(state_dir / "populate.lock", timeout=CAPTURE_TIMEOUT, what="populating guest memory"):
-            if _reads(marker) != str(pid):
-                populate(mon, memory_mib, hurry if gently else None)
-                marker.write_text(str(pid))
-    finally:
-        if not gently:
-            hurry.unlink(missing_ok=True)
+    with file_lock(state_dir / "populate.lock", timeout=CAPTURE_TIMEOUT, what="populating guest memory"):
+        if _reads(marker) != str(pid):
+            populate(mon, pid, memory_mib)
+            marker.write_text(str(pid))
 
 
 def _reads(path: Path) -> str | None:
@@ -207,9 +196,10 @@ def _reads(path: Path) -> str | None:
 
 
 def start_warming(run_dir: Path, state_dir: Path, pid: int, memory_mib: int) -> None:
-    """populate() a machine's new QEMU in a detached process now, through its second monitor,
-    so that its first checkpoint does not pay for it (0.3-0.6 s on the caller's path in an
-    agent's loop). A checkpoint that comes first waits for it to finish."""
+    """populate() a machine's new QEMU in a detached process now (with its second monitor, for
+    when QEMU must read its memory itself), so that its first checkpoint does not pay for it
+    (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first waits
+    for it to finish."""
     start_detached([sys.executable, "-m", "rewind.engine.snapshot", str(run_dir / QMP_WARM_SOCKET),
                     str(state_dir), str(pid), str(memory_mib)])
 
@@ -217,7 +207,7 @@ def start_warming(run_dir: Path, state_dir: Path, pid: int, memory_mib: int) -> 
 def _warm_main(sock: str, state_dir: str, pid: str, memory_mib: str) -> None:
     with contextlib.suppress(MonitorError, OSError, Busy), Monitor(Path(sock)) as mon:
         # Connected first: the machine's folder may be renamed (a kept copy) while we wait.
-        ensure_populated(mon, Path(state_dir), int(pid), int(memory_mib), gently=True)
+        ensure_populated(mon, Path(state_dir), int(pid), int(memory_mib))
 
 
 def _start_splitter(read_end: int, ram_out: Path, devstate_out: Path) -> None:
