@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from conftest import rewind_cli
+from test_store import forge
 
 from rewind import Home
 
@@ -109,6 +110,20 @@ def test_checkpoint_verbs(home: Home, tmp_path: Path) -> None:
     assert json.loads(r.stdout)["name"] == "two"
     assert rewind_cli("create", "imported", "--from", "two", "--store", str(other)).returncode == 0
     assert rewind_cli("exec", "imported", "--", "cat /root/v").stdout == b"two\n"
+    # A file's own network rules are not taken: a machine from an imported point starts offline.
+    rules = json.loads(rewind_cli("network", "imported", "--json").stdout)
+    assert rules["internet"] is False and rules["allow"] == []
+
+    def grant_host_and_huge_memory(manifest: dict) -> None:
+        manifest["id"], manifest["name"] = "f" * 32, "forged"
+        manifest["meta"]["network"] = {"internet": True, "allow": ["127.0.0.1"], "deny": []}
+        manifest["meta"]["memory_mib"] = 1 << 30
+    forged = tmp_path / "forged.rwx"
+    forged.write_bytes(export.read_bytes())
+    forge(forged, grant_host_and_huge_memory)
+    assert rewind_cli("import", str(forged), "--store", str(other)).returncode == 0
+    _one_line_error(rewind_cli("create", "forged", "--from", "forged", "--store", str(other)),
+                    "cannot run", "memory")
 
     damaged = tmp_path / "damaged.rwx"
     data = bytearray(export.read_bytes())

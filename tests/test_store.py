@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import re
@@ -11,11 +12,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+import tracemalloc
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from io import BytesIO
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -372,7 +375,9 @@ def test_export_and_import_round_trip(exported: tuple[Path, list[CheckpointManif
     path, points, datas = exported
     target = Store.open(tmp_path / "target", create=True)  # another chunk size: blobs keep their own
     imported = import_checkpoint(target, path)
-    assert imported == points[-1] and target.list() == [imported]
+    assert target.list() == [imported]
+    assert all(point.meta.pop("imported") is True for point in (imported, *imported.history))
+    assert imported == points[-1]  # the same in all else
     assert materialized(target, imported.blobs["ram"], tmp_path) == datas[-1]
     assert materialized(target, target.get("~2", relative_to=imported).blobs["ram"], tmp_path) == datas[0]
     assert target.check(read_data=True).ok
@@ -410,6 +415,45 @@ def test_a_damaged_export_is_refused_and_adds_nothing(
     with pytest.raises(BadExport, match=re.escape(str(path))):
         import_checkpoint(target, path)
     assert store_state(target) == before
+
+
+def forge(path: Path, change: Callable[[dict], None]) -> None:
+    """Change an export's manifest as a forger would, with the file's checksum made right."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[8:12], "big")
+    manifest = json.loads(data[12:12 + size])
+    change(manifest)
+    body = json.dumps(manifest).encode()
+    content = data[:8] + len(body).to_bytes(4, "big") + body + data[12 + size:-32]
+    path.write_bytes(content + blake3.blake3(content).digest())
+
+
+def one_byte_chunks(manifest: dict) -> None:
+    manifest["blobs"]["ram"] = {"size": 1 << 22, "chunk_size": 1, "chunks": [1 << 22]}
+
+
+def huge_history(manifest: dict) -> None:
+    entry = {**manifest, "history": None, "blobs": {"ram": {"size": 1 << 40, "chunk_size": 1 << 16,
+                                                            "chunks": [1 << 24]}}}
+    manifest["history"] = [{k: v for k, v in entry.items() if k != "history"}] * 50
+
+
+@pytest.mark.parametrize("change", [one_byte_chunks, huge_history], ids=["1-byte-chunks", "huge-history"])
+def test_a_forged_manifest_is_refused_before_it_takes_memory(
+        exported: tuple[Path, list[CheckpointManifest], list[bytes]], tmp_path: Path,
+        change: Callable[[dict], None]) -> None:
+    """A manifest of a few KB that claims many chunks is refused while parsing, with little memory."""
+    path, _, _ = exported
+    forge(path, change)
+    target = Store.open(tmp_path / "target", create=True)
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadExport, match="does not parse"):
+            import_checkpoint(target, path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20 and target.list() == []
 
 
 # -- prune and gc ---------------------------------------------------------------------------------

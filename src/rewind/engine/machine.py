@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rewind.engine import netfilter, pending
-from rewind.engine.accel import AccelChoice, choose_accel
+from rewind.engine.accel import ACCELS, AccelChoice, choose_accel
 from rewind.engine.agent import AgentClient
 from rewind.engine.checkpoint import HISTORY, Caches
 from rewind.engine.locks import any_free_lock, file_lock
@@ -77,6 +77,7 @@ DEFAULT_MEMORY_MIB = 512
 DEFAULT_CPUS = 2
 MIN_MEMORY_MIB = 192  # below this the guest's kernel and agent do not fit
 MAX_CPUS = 64
+MAX_DISK_MIB = 16 << 20  # 16 TiB
 LOCK_TIMEOUT = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
 RECORD = "machine.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -119,6 +120,10 @@ def _report_lost(messages: list[str]) -> None:
     """Points that could never be stored (the host restarted before): said once, then forgotten."""
     for message in messages:
         log.warning(message)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _hostname(name: str) -> str:
@@ -662,6 +667,7 @@ class Engine:
         if at is not None:
             found = self.find_point(store, at, relative_to=found.point.id)
         point = found.point
+        self._check_shape(point.id, point.meta)  # before any file is made from it
         return self._run_point(name, point.id, point.machine, point.meta, found.state(), labels, network)
 
     def find_point(self, store: Store, ref: str | CheckpointManifest,
@@ -686,12 +692,31 @@ class Engine:
 
     def _run_point(self, name: str | None, point_id: str, machine: str, meta: dict, state: SavedState,
                    labels: dict[str, str] | None, network: NetworkRules | None, **extra: str) -> Machine:
-        """A new machine running a saved point, whose meta says what machine it was."""
-        network = network or NetworkRules.from_json(meta.get("network", {}))
+        """A new machine running a saved point, whose meta says what machine it was. A point
+        imported from a file brings no network rules of its own: without `network`, its
+        machine starts offline (a file must not grant itself the internet or the host)."""
+        if network is None:
+            network = NetworkRules(internet=False) if meta.get("imported") \
+                else NetworkRules.from_json(meta.get("network", {}))
         return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
                          image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
                          parent=point_id, state=state, network=network,
                          extra={"from_checkpoint": point_id, "from_machine": machine, **extra})
+
+    def _check_shape(self, point_id: str, meta: dict) -> None:
+        """Check the machine a point's meta describes before its values become QEMU options
+        and file names: the point may come from an imported file."""
+        memory, cpus, disk, accel = (meta.get(k) for k in ("memory_mib", "cpus", "disk_size_mib", "accel"))
+        host_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        problems = [what for what, ok in (
+            ("memory", _is_count(memory) and MIN_MEMORY_MIB <= memory <= host_mib),
+            ("vCPUs", _is_count(cpus) and 1 <= cpus <= MAX_CPUS),
+            ("disk size", _is_count(disk) and 0 < disk <= MAX_DISK_MIB),
+            ("accelerator", accel in ACCELS)) if not ok]
+        if problems:
+            raise InvalidArgument(f"checkpoint {point_id[:12]} describes a machine rewind cannot run: "
+                                  f"bad {', '.join(problems)}")
+        self.image(meta.get("image_id") if isinstance(meta.get("image_id"), str) else "")
 
     def settle(self) -> None:
         """Return once every machine's checkpoints are all in their stores (see pending.py)."""

@@ -15,7 +15,12 @@ from typing import Any
 from rewind.errors import InvalidArgument
 
 FORMAT = 1
-MAX_CHUNKS = 1 << 26  # 16 TiB in 256 KiB chunks; bounds what a damaged size can make us allocate
+# What a manifest's blob indexes may expand to, all its points together (a pointer each): a
+# damaged or hostile manifest of a few KB must not make us allocate much (one of 4.5 KB with
+# 1-byte chunks took 184 MiB). 1 << 23 entries is 64 MiB; a 512 MiB machine's point needs
+# about 9,000 (memory in 64 KiB chunks, disk layers in 256 KiB ones).
+MAX_MANIFEST_CHUNKS = 1 << 23
+CHUNK_SIZE_STEP = 4096  # chunk sizes are multiples of this, up to disk.MAX_CHUNK_SIZE
 HASH = re.compile(r"[0-9a-f]{64}")
 ID = re.compile(r"[0-9a-f]{32}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -92,15 +97,19 @@ class BlobIndex:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], base: BlobIndex | None = None) -> BlobIndex:
+    def from_json(cls, data: dict[str, Any], base: BlobIndex | None = None,
+                  budget: list[int] | None = None) -> BlobIndex:
         """Inverse of to_json; raises ValueError on anything malformed (hashes name files, so
-        each is checked)."""
+        each is checked). `budget` ([chunks left]) bounds what several blobs may expand to."""
         size, chunk_size = data["size"], data["chunk_size"]
-        if not (_is_int(size) and size >= 0 and _is_int(chunk_size) and chunk_size > 0):
+        if not (_is_int(size) and size >= 0 and _is_int(chunk_size) and chunk_size > 0
+                and chunk_size % CHUNK_SIZE_STEP == 0):
             raise ValueError("bad blob size or chunk size")
         count = chunk_count(size, chunk_size)
-        if count > MAX_CHUNKS:
+        budget = budget if budget is not None else [MAX_MANIFEST_CHUNKS]
+        if count > budget[0]:
             raise ValueError(f"implausible blob size {size}")
+        budget[0] -= count
         if "changed" in data:
             if base is None or base.chunk_size != chunk_size:
                 raise ValueError("blob changes without a matching newer blob")
@@ -175,10 +184,11 @@ class CheckpointManifest(HistoryEntry):
         """Parse and check a manifest; raises ValueError (or KeyError/TypeError) if malformed."""
         if data.get("format") != FORMAT:
             raise ValueError(f"unknown manifest format {data.get('format')!r}")
-        top = _entry_from_json(data, {})
+        budget = [MAX_MANIFEST_CHUNKS]
+        top = _entry_from_json(data, {}, budget)
         history, newer = [], top.blobs
         for item in data["history"]:
-            entry = _entry_from_json(item, newer)
+            entry = _entry_from_json(item, newer, budget)
             history.append(entry)
             newer = entry.blobs
         return cls(**{f.name: getattr(top, f.name) for f in fields(HistoryEntry)}, history=history)
@@ -193,7 +203,7 @@ def _entry_json(entry: HistoryEntry, newer: dict[str, BlobIndex] | None) -> dict
     }
 
 
-def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex]) -> HistoryEntry:
+def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex], budget: list[int]) -> HistoryEntry:
     if not (isinstance(data["id"], str) and ID.fullmatch(data["id"])):
         raise ValueError(f"bad checkpoint id {data['id']!r}")
     if data["parent"] is not None and not (isinstance(data["parent"], str) and ID.fullmatch(data["parent"])):
@@ -206,7 +216,7 @@ def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex]) -> Histo
         name = None if data["name"] is None else validate_checkpoint_name(data["name"])
         machine = validate_name(data["machine"], "machine name")
         labels = validate_labels(data["labels"])
-        blobs = {validate_name(k, "blob name"): BlobIndex.from_json(v, newer.get(k))
+        blobs = {validate_name(k, "blob name"): BlobIndex.from_json(v, newer.get(k), budget)
                  for k, v in data["blobs"].items()}
     except InvalidArgument as e:
         raise ValueError(str(e)) from e

@@ -12,6 +12,7 @@ Layout (integers are big-endian u32):
 Every chunk the manifest or its history uses is in the file, so it restores into an empty
 store. Import writes chunks to tmp/ and moves them into place only once the whole file's
 checksum, every chunk's hash and the manifest have been checked: a bad file adds nothing.
+An imported point's meta is marked `imported`: the engine does not take its network rules.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
                 manifest = CheckpointManifest.from_json(json.loads(body))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise BadExport(f"{src} is damaged: its manifest does not parse ({e})") from e
+            for point in (manifest, *manifest.history):
+                point.meta["imported"] = True  # what it says of itself is not to be trusted (see Engine)
             missing = manifest.all_hashes() - included
             if missing:
                 raise BadExport(f"{src} is incomplete: it lacks chunk {min(missing)}")
