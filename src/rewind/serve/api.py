@@ -1,0 +1,461 @@
+"""`rewind serve`: the HTTP API (FastAPI) over the SDK, with the MCP server at /mcp.
+
+Endpoints are plain `def`s, so FastAPI runs them in its threadpool and a long guest command
+never blocks the event loop; the engine's per-machine locks keep concurrent requests safe.
+Streaming answers (exec output, create progress) are server-sent events fed from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import secrets
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import FileResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rewind.errors import InvalidArgument, RewindError
+from rewind.sandbox import command_argv
+from rewind.serve import wire
+from rewind.serve.service import MAX_FORKS, Service
+
+SSE = "text/event-stream"
+PUBLIC_PATHS = {"/health"}  # readiness probes need no token and learn nothing
+
+
+# ---- request bodies ----
+
+class CreateBody(BaseModel):
+    name: str | None = None
+    memory: int | None = Field(None, description="MiB (default: the engine's)")
+    cpus: int | None = None
+    disk: int = Field(0, description="MiB; 0: the image's size")
+    labels: dict[str, str] | None = None
+    image: str | None = None
+    from_checkpoint: str | None = Field(None, description="Start from this checkpoint instead of booting")
+    at: str | None = Field(None, description="Count back from from_checkpoint, such as ~2")
+    network: dict | None = Field(None, description='First rules: {"internet": false, "allow": ["pypi.org"]}')
+
+
+class ExecBody(BaseModel):
+    cmd: str | list[str] = Field(description="A string runs under bash -c; a list runs the program directly")
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    timeout: float | None = None
+    stdin: str | None = None
+    max_output: int | None = None
+
+
+class GuardedBody(BaseModel):
+    cmd: str
+    verify: str | None = None
+    allow_external: bool = False
+    cwd: str | None = None
+    timeout: float | None = None
+    offline: bool = False
+
+
+class TryBody(BaseModel):
+    step: str
+    verify: str | None = None
+    offline: bool = True
+    cwd: str | None = None
+    timeout: float = 600.0
+
+
+class CheckpointBody(BaseModel):
+    name: str | None = None
+    labels: dict[str, str] | None = None
+    wait: bool = Field(False, description="Answer once the point is in the store, not once captured")
+
+
+class RestoreBody(BaseModel):
+    ref: str = Field(description="~N, an id prefix or a name")
+
+
+class ForkBody(BaseModel):
+    count: int = Field(1, ge=1, le=MAX_FORKS)
+    names: list[str] | None = Field(None, description="One copy per name (overrides count)")
+    labels: dict[str, str] | None = None
+    network: dict | None = None
+
+
+class NetworkBody(BaseModel):
+    internet: bool = True
+    allow: list[str] | None = None
+    deny: list[str] | None = None
+
+
+class ClassifyBody(BaseModel):
+    command: str
+    cwd: str | None = None
+
+
+# ---- auth, idempotency, errors ----
+
+class BearerAuth:
+    """Every request but PUBLIC_PATHS needs `Authorization: Bearer <token>` (compared in
+    constant time); refused requests get a problem+json 401."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        body = {"type": "/errors/Unauthorized", "title": "Unauthorized", "status": 401,
+                "detail": "this server needs the header Authorization: Bearer <token>"}
+        response = JSONResponse(body, 401, media_type=wire.PROBLEM_TYPE,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class Idempotency:
+    """Answers kept by Idempotency-Key: a repeated request (same key, method and path) gets
+    the first answer again and does nothing; one that arrives while the first is still
+    running waits for it. Kept in memory for the daemon's life."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[tuple[str, str], threading.Lock] = {}
+        self._answers: dict[tuple[str, str], tuple[int, Any]] = {}
+
+    def run(self, key: str | None, route: str, status: int, work: Callable[[], Any]) -> JSONResponse:
+        if key is None:
+            return JSONResponse(work(), status)
+        slot = (key, route)
+        with self._lock:
+            lock = self._keys.setdefault(slot, threading.Lock())
+        with lock:
+            replayed = slot in self._answers
+            if not replayed:
+                self._answers[slot] = (status, work())  # an error is not kept: a retry runs again
+            status, body = self._answers[slot]
+        return JSONResponse(body, status, headers={"Idempotent-Replayed": str(replayed).lower()})
+
+
+def _problem_response(exc: RewindError) -> JSONResponse:
+    body = wire.problem(exc)
+    return JSONResponse(body, body["status"], media_type=wire.PROBLEM_TYPE)
+
+
+def _sse(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _events(work: Callable[[Callable[[str, Any], None]], tuple[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events from `work`, run in a thread: what it emits as it goes, then the
+    event it returns (or `error` with a problem document)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
+
+    def emit(event: str, data: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (event, data))
+
+    def run() -> None:
+        try:
+            emit(*work(emit))
+        except RewindError as e:
+            emit("error", wire.problem(e))
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    task = loop.run_in_executor(None, run)
+    while (item := await queue.get()) is not None:
+        yield _sse(*item)
+    await task
+
+
+def _wants_events(request: Request) -> bool:
+    return SSE in request.headers.get("accept", "")
+
+
+def _labels(pairs: list[str]) -> dict[str, str] | None:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"a label filter looks like KEY=VALUE, not {pair!r}")
+        out[key] = value
+    return out or None
+
+
+# ---- the app ----
+
+def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> FastAPI:
+    """The API over `service`; with `token`, every request but /health must carry it."""
+    from rewind.serve.mcpserver import build_server  # the MCP face shares the service
+
+    mcp = build_server(service)
+    mcp_http = mcp.streamable_http_app(streamable_http_path="/mcp", host=host)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with mcp.session_manager.run():
+            yield
+
+    app = FastAPI(title="rewind", version="0.1.0", lifespan=lifespan,
+                  description="An undo button for AI agents: machines you can checkpoint, restore in place, "
+                              "fork, and try a risky step in a copy of. Errors are application/problem+json "
+                              "whose title names the error class. Create, fork and checkpoint accept an "
+                              "Idempotency-Key header. Ask for text/event-stream on exec (stdout, stderr, "
+                              "exit events) or create (progress, result events) to stream.")
+    app.router.routes.extend(mcp_http.routes)
+    kept = Idempotency()
+
+    @app.exception_handler(RewindError)
+    async def rewind_error(_: Request, exc: RewindError) -> JSONResponse:
+        return _problem_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        body = {**wire.problem(InvalidArgument(where)), "status": 422}
+        return JSONResponse(body, 422, media_type=wire.PROBLEM_TYPE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        title = "NotFound" if exc.status_code == 404 else "HTTPError"
+        body = {"type": f"/errors/{title}", "title": title, "status": exc.status_code,
+                "detail": str(exc.detail)}
+        return JSONResponse(body, exc.status_code, media_type=wire.PROBLEM_TYPE)
+
+    @app.get("/health", tags=["server"])
+    def health() -> dict:
+        return {"ok": True}
+
+    # ---- machines ----
+
+    @app.get("/machines", tags=["machines"])
+    def list_machines(label: Annotated[list[str] | None, Query(description="KEY=VALUE; repeatable")] = None
+                      ) -> list[dict]:
+        return service.list(_labels(label or []))
+
+    @app.post("/machines", tags=["machines"], status_code=201)
+    def create(request: Request, body: CreateBody,
+               idempotency_key: str | None = Header(None)) -> Response:
+        """Start a machine (from the image, or from a checkpoint). With Accept: text/event-stream,
+        `progress` events, then `result` (the machine) or `error`."""
+        args = body.model_dump()
+        if _wants_events(request) and idempotency_key is None:
+            return StreamingResponse(_events(lambda emit: ("result", service.create(
+                **args, progress=lambda step: emit("progress", step)))), media_type=SSE)
+        return kept.run(idempotency_key, "create", 201, lambda: service.create(**args))
+
+    @app.get("/machines/{name}", tags=["machines"])
+    def get_machine(name: str) -> dict:
+        return service.info(name)
+
+    @app.delete("/machines/{name}", tags=["machines"], status_code=204)
+    def delete_machine(name: str) -> Response:
+        service.delete(name)
+        return Response(status_code=204)
+
+    @app.post("/machines/{name}/stop", tags=["machines"])
+    def stop(name: str) -> dict:
+        return service.stop(name)
+
+    @app.post("/machines/{name}/start", tags=["machines"])
+    def start(name: str) -> dict:
+        return service.start(name)
+
+    # ---- commands ----
+
+    @app.post("/machines/{name}/exec", tags=["commands"])
+    def exec_(request: Request, name: str, body: ExecBody) -> Any:
+        """Run a command and answer with its result (exit_code, stdout, stderr, verdict). With
+        Accept: text/event-stream: `stdout` and `stderr` events as output comes, then `exit`."""
+        args = body.model_dump()
+        if not _wants_events(request):
+            return service.exec(name, **args)
+        command_argv(body.cmd)  # bad input is a 400 before the stream starts
+        service.sandbox(name)
+
+        def run(emit: Callable[[str, Any], None]) -> tuple[str, Any]:
+            return "exit", service.exec(name, **args, on_stdout=lambda s: emit("stdout", s),
+                                        on_stderr=lambda s: emit("stderr", s))
+        return StreamingResponse(_events(run), media_type=SSE)
+
+    @app.post("/machines/{name}/guarded", tags=["commands"])
+    def guarded(name: str, body: GuardedBody) -> dict:
+        """Run a command with the cheapest undo that covers it (see /classify)."""
+        return service.guarded(name, **body.model_dump())
+
+    @app.post("/machines/{name}/try", tags=["commands"])
+    def try_(name: str, body: TryBody) -> dict:
+        """Run a step (and a check) in a copy; the copy replaces the machine only if both pass."""
+        return service.try_in_copy(name, **body.model_dump())
+
+    @app.post("/classify", tags=["commands"])
+    def classify(body: ClassifyBody) -> dict:
+        """What undo a shell command needs: none, git, fork or external, and why."""
+        return service.classify(body.command, body.cwd)
+
+    # ---- files and network ----
+
+    @app.get("/machines/{name}/files", tags=["files"], response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    def download(name: str, path: str) -> Response:
+        return Response(service.read_file(name, path), media_type="application/octet-stream")
+
+    @app.put("/machines/{name}/files", tags=["files"], status_code=204)
+    def upload(name: str, path: str, data: bytes = Body(media_type="application/octet-stream"),
+               mode: Annotated[int | None, Query(description="Permission bits, such as 493 (0o755)")] = None
+               ) -> Response:
+        service.write_file(name, path, data, mode)
+        return Response(status_code=204)
+
+    @app.get("/machines/{name}/network", tags=["network"])
+    def network(name: str) -> dict:
+        return service.network(name)
+
+    @app.put("/machines/{name}/network", tags=["network"])
+    def set_network(name: str, body: NetworkBody) -> dict:
+        return service.set_network(name, **body.model_dump())
+
+    # ---- checkpoints ----
+
+    @app.post("/machines/{name}/checkpoints", tags=["checkpoints"], status_code=201)
+    def checkpoint(name: str, body: CheckpointBody, idempotency_key: str | None = Header(None)) -> Response:
+        """Save the whole machine as of now; it runs on."""
+        return kept.run(idempotency_key, f"checkpoint {name}", 201,
+                        lambda: service.checkpoint(name, body.name, body.labels, body.wait))
+
+    @app.get("/machines/{name}/checkpoints", tags=["checkpoints"])
+    def history(name: str) -> list[dict]:
+        """The machine's points, newest first (~0, ~1, ...)."""
+        return service.history(name)
+
+    @app.post("/machines/{name}/restore", tags=["checkpoints"])
+    def restore(name: str, body: RestoreBody) -> dict:
+        """Put the machine back to a point in place: processes, memory and disk."""
+        return service.restore(name, body.ref)
+
+    @app.post("/machines/{name}/fork", tags=["checkpoints"], status_code=201)
+    def fork(name: str, body: ForkBody, idempotency_key: str | None = Header(None)) -> Response:
+        """Live copies from one capture: one machine per copy."""
+        return kept.run(idempotency_key, f"fork {name}", 201, lambda: service.fork(name, **body.model_dump()))
+
+    @app.get("/checkpoints", tags=["checkpoints"])
+    def checkpoints() -> list[dict]:
+        """Every checkpoint in the store, oldest first."""
+        return service.checkpoints()
+
+    @app.get("/checkpoints/{ref}", tags=["checkpoints"])
+    def lineage(ref: str) -> dict:
+        """A checkpoint with its parent, its children and its history."""
+        return service.lineage(ref)
+
+    @app.get("/checkpoints/{ref}/export", tags=["checkpoints"], response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    def export(ref: str) -> FileResponse:
+        """The checkpoint with its history and data, as one file for POST /checkpoints/import."""
+        out = _scratch(service)
+        try:
+            made = service.export(ref, out)
+        except BaseException:
+            out.unlink(missing_ok=True)
+            raise
+        return FileResponse(out, media_type="application/octet-stream", filename=f"{made['id'][:12]}.rewind",
+                            background=BackgroundTask(out.unlink, missing_ok=True))
+
+    @app.post("/checkpoints/import", tags=["checkpoints"], status_code=201)
+    async def import_(request: Request) -> dict:
+        """Add an exported checkpoint (the request body), checksums verified first."""
+        src = _scratch(service)
+        try:
+            with open(src, "wb") as f:
+                async for chunk in request.stream():
+                    await asyncio.to_thread(f.write, chunk)
+            return await asyncio.to_thread(service.import_, src)
+        finally:
+            src.unlink(missing_ok=True)
+
+    _document_bearer(app, token is not None)
+    return app if token is None else BearerAuth(app, token)  # type: ignore[return-value]
+
+
+def _scratch(service: Service) -> Path:
+    """A temporary file beside the store (same file system, not a small /tmp)."""
+    folder = service.home.root / "tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"serve-{secrets.token_hex(6)}"
+
+
+def _document_bearer(app: FastAPI, required: bool) -> None:
+    """Say in the OpenAPI document that every operation takes a bearer token."""
+    if not required:
+        return
+    make = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = make()
+            scheme = {"type": "http", "scheme": "bearer"}
+            doc.setdefault("components", {})["securitySchemes"] = {"bearer": scheme}
+            doc["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def read_token(token_file: str | None, no_auth: bool, host: str) -> str | None:
+    """The token the server will require, or None when `no_auth` is allowed (loopback only)."""
+    if no_auth:
+        if token_file:
+            raise InvalidArgument("give either --token-file or --no-auth, not both")
+        if not _loopback(host):
+            raise InvalidArgument(f"--no-auth is only allowed on a loopback address, not {host}")
+        return None
+    if not token_file:
+        raise InvalidArgument("a token is required: --token-file FILE (or --no-auth on a loopback address)")
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the token file {token_file}: {e.strerror}") from None
+    if not token:
+        raise InvalidArgument(f"the token file {token_file} is empty")
+    return token
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(service: Service, host: str, port: int, token: str | None) -> None:
+    """Run the API until interrupted. The socket is bound first, so a port in use is one clear error."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    config = uvicorn.Config(create_app(service, token, host), log_level="warning", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
