@@ -664,10 +664,7 @@ def serve(host: str, port: int, token_file: str | None, no_auth: bool, store_dir
     from rewind.serve import api
     from rewind.serve.service import Service
 
-    token = api.read_token(token_file, no_auth, host)
-    err_console.print(f"rewind: serving on http://{host}:{port} (MCP at /mcp"
-                      f"{', no token' if token is None else ', bearer token required'})")
-    api.serve(Service.from_env(store_dir), host, port, token)
+    api.serve(Service.from_env(store_dir), host, port, api.read_token(token_file, no_auth, host))
 
 
 @cli.command()

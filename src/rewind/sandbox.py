@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rewind.engine import pending
 from rewind.engine.agent import ExecResult
@@ -27,6 +28,9 @@ from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
 from rewind.guard.trial import try_in_copy as _try_in_copy
 from rewind.home import Home
 from rewind.store import CheckpointManifest, HistoryEntry, Store
+
+if TYPE_CHECKING:
+    from rewind.serve.client import Remote, RemoteSandbox
 
 __all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "try_in_copy"]
 
@@ -79,6 +83,14 @@ def command_argv(cmd: Command) -> list[str]:
     raise InvalidArgument("the command must be a non-empty string or a non-empty list of strings")
 
 
+def checked(result: ExecResult, cmd: Command, check: bool) -> ExecResult:
+    """`result`, or CommandFailed if `check` and the command did not exit 0 (exec(check=True))."""
+    if check and not result.ok:
+        why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
+        raise CommandFailed(f"command {why}: {command_argv(cmd)!r}", result)
+    return result
+
+
 class Sandbox:
     """A machine you can run commands in. Create with `Sandbox.create()`, find with `Sandbox.get()`.
 
@@ -124,6 +136,14 @@ class Sandbox:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
                                     image=image, network=rules, report=progress or (lambda _: None))
         return cls(machine, store)
+
+    @staticmethod
+    def connect(url: str | None = None, token: str | None = None) -> Remote:
+        """The machines of a `rewind serve` daemon (`url` default $REWIND_URL, `token` default
+        $REWIND_TOKEN): `.create()`, `.get()` and `.list()` give handles with this class's methods."""
+        from rewind.serve.client import Remote
+
+        return Remote(url, token)
 
     @classmethod
     def get(cls, name: str, *, home: Home | str | os.PathLike[str] | None = None,
@@ -188,10 +208,7 @@ class Sandbox:
         with self._machine.agent() as agent:
             result = agent.exec(argv, cwd=cwd, env=env, timeout=timeout, stdin=data, max_output=max_output,
                                 on_stdout=on_stdout, on_stderr=on_stderr)
-        if check and not result.ok:
-            why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
-            raise CommandFailed(f"command {why}: {argv!r}", result)
-        return result
+        return checked(result, cmd, check)
 
     def guarded(self, cmd: str, *, verify: str | None = None, allow_external: bool = False,
                 cwd: str | None = None, timeout: float | None = None, offline: bool = False) -> GuardedResult:
@@ -233,9 +250,10 @@ class Sandbox:
         parent = pending.surviving(engine.home, self._machine.record.parent)
         return history_of(self._store.get(parent)) if parent else []
 
-    def restore(self, ref: str) -> Checkpoint:
-        """Put this machine back to a point (`~N`, an id prefix or a name): processes, memory
-        and disk; same name and identity. The state it leaves is saved first."""
+    def restore(self, ref: str | Checkpoint) -> Checkpoint:
+        """Put this machine back to a point (a Checkpoint, `~N`, an id prefix or a name):
+        processes, memory and disk; same name and identity. The state it leaves is saved first."""
+        ref = ref.id if isinstance(ref, Checkpoint) else ref
         return Checkpoint.of(self._machine.restore(self._store, ref))
 
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
@@ -262,12 +280,15 @@ class Sandbox:
         self._machine.delete()
 
 
-def try_in_copy(sbx: Sandbox, step: str, verify: str | None = None, *, offline: bool = True,
+def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = None, *, offline: bool = True,
                 cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
     """Run `step`, then `verify`, in a live copy of `sbx` (cut off from the network unless
     `offline=False`). If both exit 0 the copy takes over `sbx`'s name, identity and network
     rules (the same handle now reaches it) and the original is deleted; otherwise the copy
-    is deleted and `sbx` never saw the step. `verify=None`: the step's exit code decides."""
+    is deleted and `sbx` never saw the step. `verify=None`: the step's exit code decides.
+    A machine reached through Sandbox.connect runs it on its server."""
+    if not isinstance(sbx, Sandbox):
+        return sbx.try_in_copy(step, verify, offline=offline, cwd=cwd, timeout=timeout)
     machine = sbx._machine
     return _try_in_copy(machine.engine, machine, sbx._store, step, verify, offline=offline, cwd=cwd,
                         timeout=timeout)

@@ -8,12 +8,15 @@ Streaming answers (exec output, create progress) are server-sent events fed from
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import ipaddress
 import json
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -57,7 +60,20 @@ class ExecBody(BaseModel):
     env: dict[str, str] | None = None
     timeout: float | None = None
     stdin: str | None = None
+    stdin_base64: str | None = Field(None, description="Binary stdin, base64-encoded (instead of stdin)")
     max_output: int | None = None
+
+    def args(self) -> dict[str, Any]:
+        """Keyword arguments for Service.exec."""
+        args = self.model_dump(exclude={"stdin_base64"})
+        if self.stdin_base64 is not None:
+            if self.stdin is not None:
+                raise InvalidArgument("give stdin or stdin_base64, not both")
+            try:
+                args["stdin"] = base64.b64decode(self.stdin_base64, validate=True)
+            except binascii.Error as e:
+                raise InvalidArgument(f"stdin_base64 is not base64: {e}") from None
+        return args
 
 
 class GuardedBody(BaseModel):
@@ -184,6 +200,12 @@ async def _events(work: Callable[[Callable[[str, Any], None]], tuple[str, Any]])
     await task
 
 
+def _progress_stream(work: Callable[[Callable[[str], None]], Any]) -> StreamingResponse:
+    """`progress` events for each step `work` reports, then `result` with what it returns."""
+    return StreamingResponse(_events(lambda emit: ("result", work(lambda step: emit("progress", step)))),
+                             media_type=SSE)
+
+
 def _wants_events(request: Request) -> bool:
     return SSE in request.headers.get("accept", "")
 
@@ -256,8 +278,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         `progress` events, then `result` (the machine) or `error`."""
         args = body.model_dump()
         if _wants_events(request) and idempotency_key is None:
-            return StreamingResponse(_events(lambda emit: ("result", service.create(
-                **args, progress=lambda step: emit("progress", step)))), media_type=SSE)
+            return _progress_stream(lambda progress: service.create(**args, progress=progress))
         return kept.run(idempotency_key, "create", 201, lambda: service.create(**args))
 
     @app.get("/machines/{name}", tags=["machines"])
@@ -274,7 +295,10 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         return service.stop(name)
 
     @app.post("/machines/{name}/start", tags=["machines"])
-    def start(name: str) -> dict:
+    def start(request: Request, name: str) -> Any:
+        """Boot a stopped machine. With Accept: text/event-stream, `progress` events, then `result`."""
+        if _wants_events(request):
+            return _progress_stream(lambda progress: service.start(name, progress))
         return service.start(name)
 
     # ---- commands ----
@@ -283,7 +307,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     def exec_(request: Request, name: str, body: ExecBody) -> Any:
         """Run a command and answer with its result (exit_code, stdout, stderr, verdict). With
         Accept: text/event-stream: `stdout` and `stderr` events as output comes, then `exit`."""
-        args = body.model_dump()
+        args = body.args()
         if not _wants_events(request):
             return service.exec(name, **args)
         command_argv(body.cmd)  # bad input is a 400 before the stream starts
@@ -457,5 +481,8 @@ def serve(service: Service, host: str, port: int, token: str | None) -> None:
     except OSError as e:
         sock.close()
         raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    bound = sock.getsockname()[1]  # --port 0 picks a free one: say which
+    print(f"rewind: serving on http://{host}:{bound} (MCP at /mcp; "
+          f"{'no token' if token is None else 'bearer token required'})", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(service, token, host), log_level="warning", lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

@@ -76,7 +76,7 @@ class Service:
     # ---- commands ----
 
     def exec(self, name: str, cmd: Command, *, cwd: str | None = None, env: dict[str, str] | None = None,
-             timeout: float | None = None, stdin: str | None = None, max_output: int | None = None,
+             timeout: float | None = None, stdin: str | bytes | None = None, max_output: int | None = None,
              on_stdout: Callable[[str], None] | None = None,
              on_stderr: Callable[[str], None] | None = None) -> dict[str, Any]:
         """The command's result, with the guard's verdict on it (what undo it would need)."""
