@@ -341,7 +341,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         return Response(service.read_file(name, path), media_type="application/octet-stream")
 
     @app.put("/machines/{name}/files", tags=["files"], status_code=204)
-    def upload(name: str, path: str, data: bytes = Body(media_type="application/octet-stream"),
+    def upload(name: str, path: str, data: bytes = Body(b"", media_type="application/octet-stream"),
                mode: Annotated[int | None, Query(description="Permission bits, such as 493 (0o755)")] = None
                ) -> Response:
         service.write_file(name, path, data, mode)
