@@ -68,13 +68,13 @@ def test_handles_find_machines_like_the_local_sdk(remote: Remote, sbx: RemoteSan
 
 def test_checkpoint_rm_rf_restore_takes_the_checkpoint_object(sbx: RemoteSandbox) -> None:
     sbx.files.write("/root/work/keep.txt", "precious\n")
-    point = sbx.checkpoint(name="remote-before", labels={"step": "1"})
+    point = sbx.checkpoint(name="remote-before", labels={"step": "1"}, context="plan: step 1")
     assert isinstance(point, Checkpoint) and point.name == "remote-before" and point.pause_ms is not None
     sbx.exec("rm -rf /root/work", check=True)
     restored = sbx.restore(point)
-    assert restored.id == point.id
+    assert (restored.id, restored.context) == (point.id, "plan: step 1")
     assert sbx.files.read_text("/root/work/keep.txt") == "precious\n"
-    assert sbx.history()[0].id == point.id
+    assert (sbx.history()[0].id, sbx.history()[0].context) == (point.id, "plan: step 1")
     with pytest.raises(UnknownCheckpoint):
         sbx.restore("no-such-point")
     assert sbx.exec("echo alive").stdout == "alive\n"

@@ -63,16 +63,17 @@ def test_tools_say_which_only_read_and_which_destroy(shared_home: Home) -> None:
 def test_checkpoint_rm_rf_restore_in_memory(shared_home: Home, machine: str) -> None:
     async def session(client: Client) -> None:
         await _call(client, "write_file", name=machine, path="/root/work/plan.md", text="step 1\n")
-        point = await _call(client, "checkpoint", name=machine, point_name="before-rm")
+        point = await _call(client, "checkpoint", name=machine, point_name="before-rm", context="plan v1")
         ran = await _call(client, "exec", name=machine, command="rm -rf /root/work && ls /root")
         assert ran["exit_code"] == 0 and ran["verdict"]["kind"] == "git"
         assert (await _error(client, "read_file", name=machine, path="/root/work/plan.md")).startswith(
             "Error executing tool read_file: GuestFileError")
-        assert (await _call(client, "restore", name=machine, ref="before-rm"))["id"] == point["id"]
+        restored = await _call(client, "restore", name=machine, ref="before-rm")
+        assert (restored["id"], restored["context"]) == (point["id"], "plan v1")
         back = await _call(client, "read_file", name=machine, path="/root/work/plan.md")
         assert back["text"] == "step 1\n"
         history = (await _call(client, "history", name=machine))["checkpoints"]
-        assert history[0]["name"] == "before-rm"
+        assert (history[0]["name"], history[0]["context"]) == ("before-rm", "plan v1")
     _run(shared_home, session)
 
 

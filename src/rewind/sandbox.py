@@ -48,11 +48,27 @@ class Checkpoint:
     own_bytes: int | None  # what it added to the store that its parent did not have; None: being stored
     ref: str = "~0"
     pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
+    context: str | None = None  # what the caller gave checkpoint(context=...)
 
     @classmethod
     def of(cls, entry: HistoryEntry | Point, ref: str = "~0") -> Checkpoint:
         return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
-                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref)
+                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref,
+                   context=entry.meta.get("context"))
+
+
+def check_context(context: object) -> None:
+    """A checkpoint's context is text, small enough to be copied into the history its
+    descendants keep (up to HISTORY of them)."""
+    if context is None:
+        return
+    if not isinstance(context, str):
+        raise InvalidArgument(f"a checkpoint's context must be text, not {type(context).__name__} "
+                              "(encode bytes or JSON as text)")
+    size = len(context.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONTEXT:
+        raise InvalidArgument(f"a checkpoint's context holds at most {MAX_CONTEXT} bytes (got {size}); "
+                              "keep larger state in a file in the machine, which the checkpoint keeps")
 
 
 def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
@@ -64,6 +80,7 @@ def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
     return Store.open(store or home.store, create=True)
 
 Command = str | list[str]
+MAX_CONTEXT = 64 * 1024
 
 
 def _engine(home: Home | str | os.PathLike[str] | None) -> Engine:
@@ -226,21 +243,25 @@ class Sandbox:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, wait: bool = False) -> Checkpoint:
+                   history: int = HISTORY, wait: bool = False, context: str | None = None) -> Checkpoint:
         """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
         records as its parent the point this machine was last saved to or restored from.
 
         It returns once the moment is captured (the guest runs again); memory is written and
         stored in the background, and anything that reads checkpoints waits for that. With
-        `wait`, it returns once the point is in the store (own_bytes then known)."""
+        `wait`, it returns once the point is in the store (own_bytes then known).
+
+        `context` is the caller's own state at this point (the conversation so far, a plan):
+        text of up to 64 KiB, kept with the point, exported with it, and given back by
+        history() and restore()."""
+        check_context(context)
         store = self._store
-        point = self._machine.checkpoint(store, name=name, labels=labels, history=history)
+        point = self._machine.checkpoint(store, name=name, labels=labels, history=history, context=context)
         pause_ms = point.meta["pause_s"] * 1000
         if wait:
             self._machine.settle()
             return dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)
-        return Checkpoint(id=point.id, name=point.name, machine=point.machine, parent=point.parent,
-                          created=point.created, labels=dict(point.labels), own_bytes=None, pause_ms=pause_ms)
+        return dataclasses.replace(Checkpoint.of(Point.of_pending(point)), own_bytes=None, pause_ms=pause_ms)
 
     def history(self) -> list[Checkpoint]:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""

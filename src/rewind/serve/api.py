@@ -97,6 +97,8 @@ class CheckpointBody(BaseModel):
     name: str | None = None
     labels: dict[str, str] | None = None
     wait: bool = Field(False, description="Answer once the point is in the store, not once captured")
+    context: str | None = Field(None, description="Your own state at this point (up to 64 KiB of text); "
+                                                  "history and restore give it back")
 
 
 class RestoreBody(BaseModel):
@@ -361,7 +363,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     def checkpoint(name: str, body: CheckpointBody, idempotency_key: str | None = Header(None)) -> Response:
         """Save the whole machine as of now; it runs on."""
         return kept.run(idempotency_key, f"checkpoint {name}", 201,
-                        lambda: service.checkpoint(name, body.name, body.labels, body.wait))
+                        lambda: service.checkpoint(name, body.name, body.labels, body.wait, body.context))
 
     @app.get("/machines/{name}/checkpoints", tags=["checkpoints"])
     def history(name: str) -> list[dict]:

@@ -195,9 +195,10 @@ class RemoteSandbox:
         return wire.outcome_from(self._call("POST", "/try", json=body))
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   wait: bool = False, idempotency_key: str | None = None) -> Checkpoint:
+                   wait: bool = False, context: str | None = None,
+                   idempotency_key: str | None = None) -> Checkpoint:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        body = {"name": name, "labels": labels, "wait": wait}
+        body = {"name": name, "labels": labels, "wait": wait, "context": context}
         return wire.checkpoint_from(self._call("POST", "/checkpoints", json=body, headers=headers))
 
     def history(self) -> list[Checkpoint]:

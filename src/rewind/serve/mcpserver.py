@@ -125,10 +125,12 @@ def build_server(service: Service) -> MCPServer:
         return service.classify(command, cwd)
 
     @tool(WRITE)
-    def checkpoint(name: str, point_name: str | None = None, labels: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
-        """Save the whole machine (memory, processes, disk) as of now; it runs on."""
-        return service.checkpoint(name, point_name, labels)
+    def checkpoint(name: str, point_name: str | None = None, labels: dict[str, str] | None = None,
+                   context: str | None = None) -> dict[str, Any]:
+        """Save the whole machine (memory, processes, disk) as of now; it runs on. `context` is your
+        own state to keep with it (the plan, what you have done so far; up to 64 KiB of text):
+        `history` and `restore` give it back."""
+        return service.checkpoint(name, point_name, labels, context=context)
 
     @tool(READ)
     def history(name: str) -> dict[str, Any]:

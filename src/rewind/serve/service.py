@@ -127,8 +127,9 @@ class Service:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str, point_name: str | None = None, labels: dict[str, str] | None = None,
-                   wait: bool = False) -> dict[str, Any]:
-        return wire.checkpoint_json(self.sandbox(name).checkpoint(point_name, labels, wait=wait))
+                   wait: bool = False, context: str | None = None) -> dict[str, Any]:
+        point = self.sandbox(name).checkpoint(point_name, labels, wait=wait, context=context)
+        return wire.checkpoint_json(point)
 
     def history(self, name: str) -> list[dict[str, Any]]:
         return [wire.checkpoint_json(c) for c in self.sandbox(name).history()]
