@@ -65,7 +65,8 @@ def _errors_as_tool_errors(fn: F) -> F:
 
 def build_server(service: Service) -> MCPServer:
     """The MCP server over `service` (its home and store)."""
-    server = MCPServer("rewind", instructions=INSTRUCTIONS, version="0.1.0")
+    # WARNING: the SDK logs every request at INFO, which would flood `rewind serve`'s stderr.
+    server = MCPServer("rewind", instructions=INSTRUCTIONS, version="0.1.0", log_level="WARNING")
 
     def tool(annotations: ToolAnnotations) -> Callable[[F], F]:
         def register(fn: F) -> F:
