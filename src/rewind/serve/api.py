@@ -14,10 +14,12 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import secrets
 import socket
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,7 +39,11 @@ from rewind.serve import wire
 from rewind.serve.service import MAX_FORKS, Service
 
 SSE = "text/event-stream"
-PUBLIC_PATHS = {"/health"}  # readiness probes need no token and learn nothing
+logger = logging.getLogger(__name__)
+# Readiness probes and the API's description need no token (a browser on /docs cannot send one);
+# every operation does.
+PUBLIC_PATHS = {"/health", "/openapi.json", "/docs"}
+KEPT_ANSWERS = 10_000  # Idempotency-Key answers kept, oldest forgotten first
 
 
 # ---- request bodies ----
@@ -147,21 +153,27 @@ class BearerAuth:
 
 
 class Idempotency:
-    """Answers kept by Idempotency-Key: a repeated request (same key, method and path) gets
-    the first answer again and does nothing; one that arrives while the first is still
-    running waits for it. Kept in memory for the daemon's life."""
+    """Answers kept by Idempotency-Key: a repeated request (same key and route) gets the first
+    answer again, marked `Idempotent-Replayed: true`, and does nothing; one that arrives while
+    the first is still running waits for it; the same key with another body is refused. Kept
+    in memory (the last KEPT_ANSWERS) for the daemon's life."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: dict[tuple[str, str], threading.Lock] = {}
+        self._slots: OrderedDict[tuple[str, str], tuple[threading.Lock, str]] = OrderedDict()
         self._answers: dict[tuple[str, str], tuple[int, Any]] = {}
 
-    def run(self, key: str | None, route: str, status: int, work: Callable[[], Any]) -> JSONResponse:
+    def run(self, key: str | None, route: str, request: BaseModel, status: int,
+            work: Callable[[], Any]) -> JSONResponse:
         if key is None:
             return JSONResponse(work(), status)
-        slot = (key, route)
+        slot, fingerprint = (key, route), request.model_dump_json()
         with self._lock:
-            lock = self._keys.setdefault(slot, threading.Lock())
+            lock, first = self._slots.setdefault(slot, (threading.Lock(), fingerprint))
+            while len(self._slots) > KEPT_ANSWERS:
+                self._answers.pop(self._slots.popitem(last=False)[0], None)
+        if first != fingerprint:
+            raise InvalidArgument(f"Idempotency-Key {key!r} was used for another request to {route}")
         with lock:
             replayed = slot in self._answers
             if not replayed:
@@ -193,6 +205,10 @@ async def _events(work: Callable[[Callable[[str, Any], None]], tuple[str, Any]])
             emit(*work(emit))
         except RewindError as e:
             emit("error", wire.problem(e))
+        except Exception as e:  # the stream has begun: the failure can only be told as an event
+            logger.exception("a streamed request failed")
+            emit("error", {"type": "/errors/InternalError", "title": "InternalError", "status": 500,
+                           "detail": f"{type(e).__name__}: {e}"})
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
@@ -249,6 +265,13 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     async def rewind_error(_: Request, exc: RewindError) -> JSONResponse:
         return _problem_response(exc)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours (or the host failing under us): still a problem document; logged by the server.
+        body = {"type": "/errors/InternalError", "title": "InternalError", "status": 500,
+                "detail": f"{type(exc).__name__}: {exc}"}
+        return JSONResponse(body, 500, media_type=wire.PROBLEM_TYPE)
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -281,7 +304,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         args = body.model_dump()
         if _wants_events(request) and idempotency_key is None:
             return _progress_stream(lambda progress: service.create(**args, progress=progress))
-        return kept.run(idempotency_key, "create", 201, lambda: service.create(**args))
+        return kept.run(idempotency_key, "create", body, 201, lambda: service.create(**args))
 
     @app.get("/machines/{name}", tags=["machines"])
     def get_machine(name: str) -> dict:
@@ -362,7 +385,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     @app.post("/machines/{name}/checkpoints", tags=["checkpoints"], status_code=201)
     def checkpoint(name: str, body: CheckpointBody, idempotency_key: str | None = Header(None)) -> Response:
         """Save the whole machine as of now; it runs on."""
-        return kept.run(idempotency_key, f"checkpoint {name}", 201,
+        return kept.run(idempotency_key, f"checkpoint {name}", body, 201,
                         lambda: service.checkpoint(name, body.name, body.labels, body.wait, body.context))
 
     @app.get("/machines/{name}/checkpoints", tags=["checkpoints"])
@@ -378,7 +401,8 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     @app.post("/machines/{name}/fork", tags=["checkpoints"], status_code=201)
     def fork(name: str, body: ForkBody, idempotency_key: str | None = Header(None)) -> Response:
         """Live copies from one capture: one machine per copy."""
-        return kept.run(idempotency_key, f"fork {name}", 201, lambda: service.fork(name, **body.model_dump()))
+        return kept.run(idempotency_key, f"fork {name}", body, 201,
+                        lambda: service.fork(name, **body.model_dump()))
 
     @app.get("/checkpoints", tags=["checkpoints"])
     def checkpoints() -> list[dict]:
