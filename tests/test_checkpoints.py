@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
+from rewind.engine import machine as machine_module
 from rewind.engine import pending
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
@@ -240,6 +241,48 @@ def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
     sbx.files.write("/root/after", "changed")
     sbx.restore(last.id)
     assert sbx.files.read_text("/root/after") == "written"
+    assert Store.open(home.store).check(read_data=True).ok
+
+
+def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New network rules set by another handle while a checkpoint is capturing survive it (the
+    checkpoint saved a record read before, and turned the internet back on)."""
+    sbx = Sandbox.create("racer", home=home)
+    other = Sandbox.get("racer", home=home)
+    real_capture = machine_module.capture
+
+    def capture_while_rules_change(*args: object, **kwargs: object) -> object:
+        changer = threading.Thread(target=other.network.off)
+        changer.start()
+        changer.join(timeout=60)
+        assert not changer.is_alive(), "setting the rules waited for the checkpoint"
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(machine_module, "capture", capture_while_rules_change)
+    sbx.checkpoint()
+    assert Sandbox.get("racer", home=home).network.get()["internet"] is False
+
+
+def test_a_checkpoint_cut_short_after_its_capture_loses_nothing(home: Home,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint that dies after freezing the disk and journaling the point but before the
+    machine's record is saved (a kill) leaves a record that is still true: the machine runs,
+    writes and checkpoints again, and the point it journaled is stored."""
+    sbx = Sandbox.create("cut", home=home)
+    sbx.files.write("/root/before", "1")
+
+    def killed(*_: object) -> None:
+        raise KeyboardInterrupt  # as a kill would stop it
+
+    with monkeypatch.context() as patch:
+        patch.setattr(machine_module.Machine, "_save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            sbx.checkpoint()
+    sbx.files.write("/root/after", "2")
+    point = sbx.checkpoint()
+    sbx.exec("rm /root/before /root/after && sync", check=True)
+    sbx.restore(point.id)
+    assert sbx.exec("cat /root/before /root/after", check=True).stdout == "12"
     assert Store.open(home.store).check(read_data=True).ok
 
 

@@ -67,6 +67,13 @@ def test_failed_try_leaves_the_original_as_it_was(home: Home) -> None:
     assert state(sbx, PROCESSES) == processes
     assert sbx.exec(ASK).stdout.strip() == "2"  # the server's memory did not see the copy's step
     assert machines(home) == ["agent"]  # the copy is gone
+    # The original was held still while its memory was copied; its disk takes writes again
+    # and they are in its next checkpoint.
+    sbx.exec("echo after > /root/after && sync", check=True)
+    point = sbx.checkpoint()
+    sbx.exec("rm /root/after", check=True)
+    sbx.restore(point.id)
+    assert sbx.exec("cat /root/after", check=True).stdout == "after\n"
 
 
 def test_passed_try_hands_the_copy_over(home: Home) -> None:

@@ -70,6 +70,7 @@ from rewind.store import (
     UnknownCheckpoint,
     new_checkpoint_id,
 )
+from rewind.store.disk import replace_durably
 from rewind.store.model import validate_checkpoint_name
 
 DEFAULT_MEMORY_MIB = 512
@@ -196,9 +197,17 @@ class Machine:
             raise NotFound(f"machine {self.name!r} no longer exists") from None
 
     def _save(self) -> None:
-        tmp = self.path / (RECORD + ".tmp")
-        tmp.write_text(json.dumps(asdict(self.record), indent=2))
-        os.replace(tmp, self.path / RECORD)
+        """Write the record; the caller holds the machine lock exclusively (else see _update)."""
+        replace_durably(self.path / RECORD, json.dumps(asdict(self.record), indent=2).encode())
+
+    def _update(self, change: Callable[[MachineRecord], None]) -> None:
+        """Reload the record, change it and save it under the record lock: for commands that
+        hold the machine lock shared (a checkpoint, new network rules), which would otherwise
+        undo each other's changes."""
+        with file_lock(self.path / "record.lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            self.reload()
+            change(self.record)
+            self._save()
 
     # ---- status ----
 
@@ -286,9 +295,7 @@ class Machine:
     def set_network(self, rules: NetworkRules) -> None:
         """Apply new network rules now (if running) and from every later start."""
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            self.reload()
-            self.record.network = rules.to_json()
-            self._save()
+            self._update(lambda r: setattr(r, "network", rules.to_json()))
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
@@ -405,11 +412,12 @@ class Machine:
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
                    history: int = HISTORY, live: bool = True, start_first: bool = False,
-                   context: str | None = None) -> PendingCheckpoint:
+                   held: bool = False, context: str | None = None) -> PendingCheckpoint:
         """Save memory, devices and disk as of one instant into `store`; the machine runs on,
         unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
         has written the memory out (the caller starts another in its place). `start_first`:
         a machine is about to start from it or in its place; its commit waits a moment.
+        `held`: the guest stays stopped until its memory is written (see snapshot.capture).
         `context`, the caller's own state, is kept in the point's meta as given.
 
         Returns once the moment is captured; QEMU writing memory out and the commit into the
@@ -418,14 +426,24 @@ class Machine:
             validate_checkpoint_name(name)
             if name in pending.pending_names(self.engine.home) or _names_a_checkpoint(store, name):
                 raise CheckpointExists(f"checkpoint name {name!r} is taken")
+        # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
+        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+            return self._capture_point(store, name, labels, history, live, start_first, held, context)
+
+    def _capture_point(self, store: Store, name: str | None, labels: dict[str, str] | None,
+                       history: int = HISTORY, live: bool = True, start_first: bool = False,
+                       held: bool = False, context: str | None = None) -> PendingCheckpoint:
+        """checkpoint(), for a caller holding the machine lock."""
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
-                return self._checkpoint(store, name, labels, history, live, start_first, context)
+                self.reload()
+                return self._checkpoint(store, name, labels, history, live, start_first, held, context)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool, start_first: bool, context: str | None) -> PendingCheckpoint:
+                    history: int, live: bool, start_first: bool, held: bool,
+                    context: str | None) -> PendingCheckpoint:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
         for folder in (caches.ram, caches.devstate, caches.layers):
@@ -438,11 +456,12 @@ class Machine:
             self._reconcile_disks(mon)
             top = Path(r.disks[-1])
             new_top = self._new_top()
-            if live:
+            if live and not held:
                 ensure_populated(mon, self.disk_dir, r.pid, r.memory_mib)
             cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
-                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id)
+                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
+                          held=held)
             monitor = None
             if not live:
                 # Its memory is written out later, by its committer, through the QMP socket
@@ -450,11 +469,11 @@ class Machine:
                 monitor = caches.devstate / f"{point_id}.qmp"
                 os.replace(self.path / QMP_SOCKET, monitor)
             # The frozen layer leaves this machine's folder (QEMU keeps its open file): a
-            # branch may run on it after this machine is gone.
+            # branch may run on it after this machine is gone. Its old name goes only once the
+            # record names the new layers: a kill in between leaves the record true.
             frozen = caches.layers / f"{point_id}.qcow2"
-            os.replace(top, frozen)
-            r.disks[-1:] = [str(frozen), str(new_top)]  # the running QEMU writes to new_top now
-            self._save()
+            os.link(top, frozen)
+            disks = [*r.disks[:-1], str(frozen)]
             point = PendingCheckpoint(
                 id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
                 parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
@@ -462,13 +481,16 @@ class Machine:
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
                       "mac": r.mac, "network": r.network, "pause_s": cap.pause_s,
                       **({} if context is None else {"context": context})},
-                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=r.disks[:-1],
+                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
                 not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
             pending.record(home, point)
-            r.parent = point_id
-            self._save()
+
+            def advance(record: MachineRecord) -> None:
+                record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
+            self._update(advance)
+            top.unlink()
         pending.trim_images(home)
         return point
 
@@ -515,7 +537,7 @@ class Machine:
             if self.status() == "running":
                 # The state it leaves is captured with its guest stopped; that QEMU writes its memory
                 # out and is ended in the background, once the new one has started in its place.
-                self.checkpoint(store, labels={"auto": "before-restore"}, live=False, start_first=True)
+                self._capture_point(store, None, {"auto": "before-restore"}, live=False, start_first=True)
             self._cleanup_runtime()
             r = self.record
             r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
@@ -651,13 +673,16 @@ class Engine:
         return locate(self.home, store, ref, relative_to)
 
     def fork(self, source: Machine, store: Store, names: list[str | None],
-             labels: dict[str, str] | None = None, network: NetworkRules | None = None) -> list[Machine]:
+             labels: dict[str, str] | None = None, network: NetworkRules | None = None,
+             hold_source: bool = False) -> list[Machine]:
         """Live copies of `source` from this moment, one per name (None: a generated name).
-        The source pauses only to be captured once; the copies share that point."""
+        The source pauses only to be captured once; the copies share that point.
+        `hold_source`: it stays paused until its memory is written, which brings the copies
+        sooner (see snapshot.capture), for a caller that waits on them."""
         for name in names:
             if name is not None:
                 validate_name(name)
-        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True)
+        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True, held=hold_source)
         point.wait_written()  # the copies start from its files; storing it goes on meanwhile
         return [self._run_point(name, point.id, point.machine, point.meta, point.state, labels, network,
                                 forked_from=source.name) for name in names]

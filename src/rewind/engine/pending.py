@@ -39,6 +39,7 @@ from rewind.engine.snapshot import (
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
+from rewind.store.disk import replace_durably
 
 # A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
 # committed in the background this long after: a machine is busiest in its first moments
@@ -135,9 +136,7 @@ def record(home: Home, point: PendingCheckpoint) -> None:
     folder = home.root / "pending"
     folder.mkdir(parents=True, exist_ok=True)
     path = journal_path(home, point)
-    tmp = folder / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(asdict(point)))
-    os.replace(tmp, path)
+    replace_durably(path, json.dumps(asdict(point)).encode())
     start_committer(home, path)
 
 

@@ -70,14 +70,19 @@ class Capture:
 
 
 def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
-            ram_out: Path, devstate_out: Path) -> Capture:
+            ram_out: Path, devstate_out: Path, held: bool = False) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
     backing file) afterwards. Returns once the moment is fixed.
 
     `live`: the guest runs on (returns when it does) while its memory is written out
     (wait_written waits for that). Otherwise the guest stays stopped for good and nothing
     is written yet: `write_out` does that later, for a caller that ends this QEMU (a
-    restore, which saves the state it leaves once its new QEMU runs)."""
+    restore, which saves the state it leaves once its new QEMU runs).
+
+    `held` (with `live`): the guest stays stopped until its memory is all written, by a plain
+    migration, and then runs on; for a caller that waits for the memory anyway (a trial's
+    copy). It needs no populate() and is quicker: 0.75-0.86 s for an idle 512 MiB guest just
+    restored, against 0.3 s of populate and 1.1-1.3 s of background write-out."""
     done = _done_file(devstate_out)
     done.unlink(missing_ok=True)
     # A capture whose requester died runs on inside QEMU; let it end first. (Never cancel a
@@ -91,7 +96,7 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
         mon.cmd("blockdev-del", **{"node-name": new_top_node})
     mon.cmd("blockdev-add", driver="qcow2", backing=None,
             file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
-    uri = _prepare_migration(mon, ram_out, devstate_out, background=True) if live else None
+    uri = _prepare_migration(mon, ram_out, devstate_out, background=not held) if live else None
 
     mon.cmd("stop")
     try:
@@ -105,6 +110,12 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     if not live:
         return Capture(ram=ram_out, devstate=devstate_out, done=done, pause_s=None)
     stop = mon.wait_event("STOP", CAPTURE_TIMEOUT)
+    if held:
+        try:
+            wait_written(done)
+            mon.wait_migration(CAPTURE_TIMEOUT)
+        finally:
+            mon.cmd("cont")  # also when the write-out failed: the machine survives it
     resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
     return Capture(ram=ram_out, devstate=devstate_out, done=done,
                    pause_s=_event_time(resume) - _event_time(stop))

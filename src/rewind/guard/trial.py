@@ -106,8 +106,10 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     started = time.monotonic()
     copy_name = f"{machine.name[:40]}.try-{secrets.token_hex(3)}"
     rules = NetworkRules(internet=False) if offline else machine.network
+    # The caller waits for the copy: the machine is held still while its memory is copied,
+    # which is quicker than a background capture (and its populate).
     [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
-                         network=rules)
+                         network=rules, hold_source=True)
     try:
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None

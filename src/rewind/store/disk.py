@@ -73,6 +73,13 @@ def write_tmp(tmp_dir: Path, data: bytes) -> Path:
     return path
 
 
+def replace_durably(path: Path, data: bytes) -> None:
+    """Put `data` at `path` all at once and for good: readers see the old file or the new one,
+    and after a crash the new one if this returned (fsync'ed, renamed, directory fsync'ed)."""
+    os.replace(write_tmp(path.parent, data), path)
+    fsync_dir(path.parent)
+
+
 def fsync_dir(path: Path) -> None:
     """Make the renames into a directory durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
