@@ -118,6 +118,7 @@ def test_checkpoint_rm_rf_restore_one_answer_per_idempotency_key(http: httpx2.Cl
     assert restored.json()["id"] == first.json()["id"]
     got = http.get(f"/machines/{machine}/files", params={"path": "/root/work/keep.txt"})
     assert got.content == b"precious\n" and got.headers["content-type"] == "application/octet-stream"
+    assert got.headers["X-Rewind-Mode"] == "644"
 
 
 def test_fork_with_a_count_gives_one_machine_per_copy(http: httpx2.Client, machine: str) -> None:

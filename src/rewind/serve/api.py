@@ -15,6 +15,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -22,9 +23,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Body, FastAPI, Header, Query, Request, Response
+from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -39,6 +40,10 @@ from rewind.serve import wire
 from rewind.serve.service import MAX_FORKS, Service
 
 SSE = "text/event-stream"
+OCTETS = "application/octet-stream"
+BINARY_BODY = {"requestBody": {"required": True,
+                               "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 # Readiness probes and the API's description need no token (a browser on /docs cannot send one);
 # every operation does.
@@ -360,16 +365,22 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
 
     # ---- files and network ----
 
-    @app.get("/machines/{name}/files", tags=["files"], response_class=Response,
-             responses={200: {"content": {"application/octet-stream": {}}}})
-    def download(name: str, path: str) -> Response:
-        return Response(service.read_file(name, path), media_type="application/octet-stream")
+    @app.get("/machines/{name}/files", tags=["files"], response_class=FileResponse,
+             responses={200: {"content": {OCTETS: {}}}})
+    def download(name: str, path: str) -> FileResponse:
+        """A guest file, streamed from a copy on the host; X-Rewind-Mode: its permission bits (octal)."""
+        out, _ = _produced(service, lambda out: service.download(name, path, out))
+        return _sent(out, headers={"X-Rewind-Mode": f"{out.stat().st_mode & 0o7777:o}"})
 
-    @app.put("/machines/{name}/files", tags=["files"], status_code=204)
-    def upload(name: str, path: str, data: bytes = Body(b"", media_type="application/octet-stream"),
-               mode: Annotated[int | None, Query(description="Permission bits, such as 493 (0o755)")] = None
-               ) -> Response:
-        service.write_file(name, path, data, mode)
+    @app.put("/machines/{name}/files", tags=["files"], status_code=204, openapi_extra=BINARY_BODY)
+    async def upload(request: Request, name: str, path: str,
+                     mode: Annotated[int, Query(description="Permission bits, such as 493 (0o755)")] = 0o644
+                     ) -> Response:
+        """Write a whole guest file from the body (streamed to the host first); it appears whole
+        or not at all."""
+        async with _received(request, service) as src:
+            os.chmod(src, mode & 0o7777)
+            await asyncio.to_thread(service.upload, name, src, path)
         return Response(status_code=204)
 
     @app.get("/machines/{name}/network", tags=["network"])
@@ -418,26 +429,14 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
              responses={200: {"content": {"application/octet-stream": {}}}})
     def export(ref: str) -> FileResponse:
         """The checkpoint with its history and data, as one file for POST /checkpoints/import."""
-        out = _scratch(service)
-        try:
-            made = service.export(ref, out)
-        except BaseException:
-            out.unlink(missing_ok=True)
-            raise
-        return FileResponse(out, media_type="application/octet-stream", filename=f"{made['id'][:12]}.rewind",
-                            background=BackgroundTask(out.unlink, missing_ok=True))
+        out, made = _produced(service, lambda out: service.export(ref, out))
+        return _sent(out, filename=f"{made['id'][:12]}.rewind")
 
-    @app.post("/checkpoints/import", tags=["checkpoints"], status_code=201)
+    @app.post("/checkpoints/import", tags=["checkpoints"], status_code=201, openapi_extra=BINARY_BODY)
     async def import_(request: Request) -> dict:
         """Add an exported checkpoint (the request body), checksums verified first."""
-        src = _scratch(service)
-        try:
-            with open(src, "wb") as f:
-                async for chunk in request.stream():
-                    await asyncio.to_thread(f.write, chunk)
+        async with _received(request, service) as src:
             return await asyncio.to_thread(service.import_, src)
-        finally:
-            src.unlink(missing_ok=True)
 
     _document_bearer(app, token is not None)
     return app if token is None else BearerAuth(app, token)  # type: ignore[return-value]
@@ -448,6 +447,35 @@ def _scratch(service: Service) -> Path:
     folder = service.home.root / "tmp"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"serve-{secrets.token_hex(6)}"
+
+
+def _produced(service: Service, make: Callable[[Path], T]) -> tuple[Path, T]:
+    """A scratch file `make` fills, and what it returned; nothing is left if it fails."""
+    out = _scratch(service)
+    try:
+        return out, make(out)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+
+
+def _sent(out: Path, filename: str | None = None, headers: dict[str, str] | None = None) -> FileResponse:
+    """`out` streamed as the answer, then removed."""
+    return FileResponse(out, media_type=OCTETS, filename=filename, headers=headers,
+                        background=BackgroundTask(out.unlink, missing_ok=True))
+
+
+@contextlib.asynccontextmanager
+async def _received(request: Request, service: Service) -> AsyncIterator[Path]:
+    """The request body streamed into a scratch file (memory stays flat for big files)."""
+    src = _scratch(service)
+    try:
+        with open(src, "wb") as f:
+            async for chunk in request.stream():
+                await asyncio.to_thread(f.write, chunk)
+        yield src
+    finally:
+        src.unlink(missing_ok=True)
 
 
 def _document_bearer(app: FastAPI, required: bool) -> None:

@@ -11,7 +11,7 @@ import base64
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx2
 
@@ -61,6 +61,17 @@ class Remote:
             return None
         return response.content if response.headers.get("content-type", "").startswith(
             "application/octet-stream") else response.json()
+
+    def fetch(self, path: str, params: dict[str, Any], sink: BinaryIO) -> str | None:
+        """Stream a download into `sink`; its X-Rewind-Mode header."""
+        try:
+            with self._http.stream("GET", path, params=params) as response:
+                _raise_for_problem(response)
+                for chunk in response.iter_bytes():
+                    sink.write(chunk)
+                return response.headers.get("X-Rewind-Mode")
+        except httpx2.TransportError as e:
+            raise RewindError(f"cannot reach the rewind server at {self.url}: {e}") from e
 
     def events(self, path: str, body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         """(event, data) pairs of a server-sent event stream; an `error` event is raised."""
@@ -246,18 +257,24 @@ class RemoteFiles:
                         headers={"Content-Type": "application/octet-stream"})
 
     def upload(self, local: str | os.PathLike[str], path: str) -> None:
+        """As Files.upload; the file is streamed, not read into memory."""
         local = Path(local)
         if not local.is_file():
             raise InvalidArgument(f"not a file on this host: {local}")
-        self.write(path, local.read_bytes(), local.stat().st_mode & 0o7777)
+        with open(local, "rb") as body:
+            self._sbx._call("PUT", "/files", params={"path": path, "mode": local.stat().st_mode & 0o7777},
+                            content=body, headers={"Content-Type": "application/octet-stream"})
 
     def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        """As Files.download: streamed, and the host file appears only once complete."""
         local = Path(local)
         if local.is_dir():
             local = local / Path(path).name
         tmp = local.with_name(f".{local.name}.rewind-partial")
         try:
-            tmp.write_bytes(self.read(path))
+            with open(tmp, "wb") as sink:
+                mode = self._sbx._remote.fetch(f"/machines/{self._sbx.name}/files", {"path": path}, sink)
+            os.chmod(tmp, int(mode or "644", 8) & 0o777)
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)

@@ -117,6 +117,14 @@ class Service:
     def write_file(self, name: str, path: str, data: bytes, mode: int | None = None) -> None:
         self.sandbox(name).files.write(path, data, mode)
 
+    def download(self, name: str, path: str, out: Path) -> None:
+        """A guest file copied to `out` on the host, with its permission bits."""
+        self.sandbox(name).files.download(path, out)
+
+    def upload(self, name: str, src: Path, path: str) -> None:
+        """A host file written into the guest, with its permission bits."""
+        self.sandbox(name).files.upload(src, path)
+
     def network(self, name: str) -> dict[str, Any]:
         return self.sandbox(name).network.get()
 
