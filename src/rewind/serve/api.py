@@ -212,8 +212,7 @@ async def _events(work: Callable[[Callable[[str, Any], None]], tuple[str, Any]])
             emit("error", wire.problem(e))
         except Exception as e:  # the stream has begun: the failure can only be told as an event
             logger.exception("a streamed request failed")
-            emit("error", {"type": "/errors/InternalError", "title": "InternalError", "status": 500,
-                           "detail": f"{type(e).__name__}: {e}"})
+            emit("error", wire.internal_problem(e))
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
@@ -245,8 +244,8 @@ def _labels(pairs: list[str]) -> dict[str, str] | None:
 
 # ---- the app ----
 
-def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> FastAPI:
-    """The API over `service`; with `token`, every request but /health must carry it."""
+def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> ASGIApp:
+    """The API over `service`; with `token`, every request but PUBLIC_PATHS must carry it."""
     from rewind.serve.mcpserver import build_server  # the MCP face shares the service
 
     mcp = build_server(service)
@@ -272,10 +271,8 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        # A bug of ours (or the host failing under us): still a problem document; logged by the server.
-        body = {"type": "/errors/InternalError", "title": "InternalError", "status": 500,
-                "detail": f"{type(exc).__name__}: {exc}"}
-        return JSONResponse(body, 500, media_type=wire.PROBLEM_TYPE)
+        # Still a problem document; the server logs the traceback.
+        return JSONResponse(wire.internal_problem(exc), 500, media_type=wire.PROBLEM_TYPE)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -439,7 +436,7 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
             return await asyncio.to_thread(service.import_, src)
 
     _document_bearer(app, token is not None)
-    return app if token is None else BearerAuth(app, token)  # type: ignore[return-value]
+    return app if token is None else BearerAuth(app, token)
 
 
 def _scratch(service: Service) -> Path:

@@ -61,6 +61,12 @@ def problem(exc: errors.RewindError) -> dict[str, Any]:
     return body
 
 
+def internal_problem(exc: BaseException) -> dict[str, Any]:
+    """Problem details for a failure that is no RewindError: a bug of ours, or the host failing."""
+    return {"type": "/errors/InternalError", "title": "InternalError", "status": 500,
+            "detail": f"{type(exc).__name__}: {exc}"}
+
+
 def error_from(body: dict[str, Any], status: int) -> errors.RewindError:
     """The exception a problem document describes (RewindError if its class is unknown here)."""
     cls = ERROR_CLASSES.get(str(body.get("title")), errors.RewindError)
