@@ -653,6 +653,31 @@ def image_ls(as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=7070, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="File holding the bearer token every request must carry.")
+@click.option("--no-auth", is_flag=True, help="Require no token (only on a loopback address).")
+@store_option
+def serve(host: str, port: int, token_file: str | None, no_auth: bool, store_dir: str | None) -> None:
+    """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted."""
+    from rewind.serve import api
+    from rewind.serve.service import Service
+
+    api.serve(Service.from_env(store_dir), host, port, api.read_token(token_file, no_auth, host))
+
+
+@cli.command()
+@store_option
+def mcp(store_dir: str | None) -> None:
+    """Serve the MCP tools over stdio (for Claude Code, Claude Desktop, Cursor...)."""
+    from rewind.serve.mcpserver import build_server
+    from rewind.serve.service import Service
+
+    build_server(Service.from_env(store_dir)).run("stdio")
+
+
+@cli.command()
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rewind.engine import pending
 from rewind.engine.agent import ExecResult
@@ -27,6 +28,9 @@ from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
 from rewind.guard.trial import try_in_copy as _try_in_copy
 from rewind.home import Home
 from rewind.store import CheckpointManifest, HistoryEntry, Store
+
+if TYPE_CHECKING:
+    from rewind.serve.client import Remote, RemoteSandbox
 
 __all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "try_in_copy"]
 
@@ -44,11 +48,27 @@ class Checkpoint:
     own_bytes: int | None  # what it added to the store that its parent did not have; None: being stored
     ref: str = "~0"
     pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
+    context: str | None = None  # what the caller gave checkpoint(context=...)
 
     @classmethod
     def of(cls, entry: HistoryEntry | Point, ref: str = "~0") -> Checkpoint:
         return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
-                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref)
+                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref,
+                   context=entry.meta.get("context"))
+
+
+def check_context(context: object) -> None:
+    """A checkpoint's context is text, small enough to be copied into the history its
+    descendants keep (up to HISTORY of them)."""
+    if context is None:
+        return
+    if not isinstance(context, str):
+        raise InvalidArgument(f"a checkpoint's context must be text, not {type(context).__name__} "
+                              "(encode bytes or JSON as text)")
+    size = len(context.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONTEXT:
+        raise InvalidArgument(f"a checkpoint's context holds at most {MAX_CONTEXT} bytes (got {size}); "
+                              "keep larger state in a file in the machine, which the checkpoint keeps")
 
 
 def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
@@ -60,6 +80,7 @@ def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
     return Store.open(store or home.store, create=True)
 
 Command = str | list[str]
+MAX_CONTEXT = 64 * 1024
 
 
 def _engine(home: Home | str | os.PathLike[str] | None) -> Engine:
@@ -77,6 +98,14 @@ def command_argv(cmd: Command) -> list[str]:
     if isinstance(cmd, list | tuple) and cmd and all(isinstance(a, str) for a in cmd) and cmd[0]:
         return list(cmd)
     raise InvalidArgument("the command must be a non-empty string or a non-empty list of strings")
+
+
+def checked(result: ExecResult, cmd: Command, check: bool) -> ExecResult:
+    """`result`, or CommandFailed if `check` and the command did not exit 0 (exec(check=True))."""
+    if check and not result.ok:
+        why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
+        raise CommandFailed(f"command {why}: {command_argv(cmd)!r}", result)
+    return result
 
 
 class Sandbox:
@@ -124,6 +153,14 @@ class Sandbox:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
                                     image=image, network=rules, report=progress or (lambda _: None))
         return cls(machine, store)
+
+    @staticmethod
+    def connect(url: str | None = None, token: str | None = None) -> Remote:
+        """The machines of a `rewind serve` daemon (`url` default $REWIND_URL, `token` default
+        $REWIND_TOKEN): `.create()`, `.get()` and `.list()` give handles with this class's methods."""
+        from rewind.serve.client import Remote
+
+        return Remote(url, token)
 
     @classmethod
     def get(cls, name: str, *, home: Home | str | os.PathLike[str] | None = None,
@@ -188,10 +225,7 @@ class Sandbox:
         with self._machine.agent() as agent:
             result = agent.exec(argv, cwd=cwd, env=env, timeout=timeout, stdin=data, max_output=max_output,
                                 on_stdout=on_stdout, on_stderr=on_stderr)
-        if check and not result.ok:
-            why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
-            raise CommandFailed(f"command {why}: {argv!r}", result)
-        return result
+        return checked(result, cmd, check)
 
     def guarded(self, cmd: str, *, verify: str | None = None, allow_external: bool = False,
                 cwd: str | None = None, timeout: float | None = None, offline: bool = False) -> GuardedResult:
@@ -209,21 +243,25 @@ class Sandbox:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, wait: bool = False) -> Checkpoint:
+                   history: int = HISTORY, wait: bool = False, context: str | None = None) -> Checkpoint:
         """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
         records as its parent the point this machine was last saved to or restored from.
 
         It returns once the moment is captured (the guest runs again); memory is written and
         stored in the background, and anything that reads checkpoints waits for that. With
-        `wait`, it returns once the point is in the store (own_bytes then known)."""
+        `wait`, it returns once the point is in the store (own_bytes then known).
+
+        `context` is the caller's own state at this point (the conversation so far, a plan):
+        text of up to 64 KiB, kept with the point, exported with it, and given back by
+        history() and restore()."""
+        check_context(context)
         store = self._store
-        point = self._machine.checkpoint(store, name=name, labels=labels, history=history)
+        point = self._machine.checkpoint(store, name=name, labels=labels, history=history, context=context)
         pause_ms = point.meta["pause_s"] * 1000
         if wait:
             self._machine.settle()
             return dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)
-        return Checkpoint(id=point.id, name=point.name, machine=point.machine, parent=point.parent,
-                          created=point.created, labels=dict(point.labels), own_bytes=None, pause_ms=pause_ms)
+        return dataclasses.replace(Checkpoint.of(Point.of_pending(point)), own_bytes=None, pause_ms=pause_ms)
 
     def history(self) -> list[Checkpoint]:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""
@@ -233,9 +271,10 @@ class Sandbox:
         parent = pending.surviving(engine.home, self._machine.record.parent)
         return history_of(self._store.get(parent)) if parent else []
 
-    def restore(self, ref: str) -> Checkpoint:
-        """Put this machine back to a point (`~N`, an id prefix or a name): processes, memory
-        and disk; same name and identity. The state it leaves is saved first."""
+    def restore(self, ref: str | Checkpoint) -> Checkpoint:
+        """Put this machine back to a point (a Checkpoint, `~N`, an id prefix or a name):
+        processes, memory and disk; same name and identity. The state it leaves is saved first."""
+        ref = ref.id if isinstance(ref, Checkpoint) else ref
         return Checkpoint.of(self._machine.restore(self._store, ref))
 
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
@@ -262,12 +301,15 @@ class Sandbox:
         self._machine.delete()
 
 
-def try_in_copy(sbx: Sandbox, step: str, verify: str | None = None, *, offline: bool = True,
+def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = None, *, offline: bool = True,
                 cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
     """Run `step`, then `verify`, in a live copy of `sbx` (cut off from the network unless
     `offline=False`). If both exit 0 the copy takes over `sbx`'s name, identity and network
     rules (the same handle now reaches it) and the original is deleted; otherwise the copy
-    is deleted and `sbx` never saw the step. `verify=None`: the step's exit code decides."""
+    is deleted and `sbx` never saw the step. `verify=None`: the step's exit code decides.
+    A machine reached through Sandbox.connect runs it on its server."""
+    if not isinstance(sbx, Sandbox):
+        return sbx.try_in_copy(step, verify, offline=offline, cwd=cwd, timeout=timeout)
     machine = sbx._machine
     return _try_in_copy(machine.engine, machine, sbx._store, step, verify, offline=offline, cwd=cwd,
                         timeout=timeout)

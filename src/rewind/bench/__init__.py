@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rewind.bench import loop, ours
+from rewind.bench import faces, loop, ours
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import run_peers
@@ -54,6 +54,7 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             progress("saving the booted template (not measured)")
             Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
             ours.machines_and_exec(home, report, rounds, progress)
+            faces.run_faces(home, report, rounds, quick, progress)
             bench = ours.checkpoints(home, report, rounds, quick, progress)
             ours.guard(bench, report, quick, progress)
             bench.delete()  # the loop's figures are of one machine alone

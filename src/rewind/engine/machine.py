@@ -417,12 +417,13 @@ class Machine:
 
     def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
                    history: int = HISTORY, live: bool = True, start_first: bool = False,
-                   held: bool = False) -> PendingCheckpoint:
+                   held: bool = False, context: str | None = None) -> PendingCheckpoint:
         """Save memory, devices and disk as of one instant into `store`; the machine runs on,
         unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
         has written the memory out (the caller starts another in its place). `start_first`:
         a machine is about to start from it or in its place; its commit waits a moment.
         `held`: the guest stays stopped until its memory is written (see snapshot.capture).
+        `context`, the caller's own state, is kept in the point's meta as given.
 
         Returns once the moment is captured; QEMU writing memory out and the commit into the
         store go on in the background (pending.py): `settle` waits for them."""
@@ -432,21 +433,22 @@ class Machine:
                 raise CheckpointExists(f"checkpoint name {name!r} is taken")
         # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            return self._capture_point(store, name, labels, history, live, start_first, held)
+            return self._capture_point(store, name, labels, history, live, start_first, held, context)
 
     def _capture_point(self, store: Store, name: str | None, labels: dict[str, str] | None,
                        history: int = HISTORY, live: bool = True, start_first: bool = False,
-                       held: bool = False) -> PendingCheckpoint:
+                       held: bool = False, context: str | None = None) -> PendingCheckpoint:
         """checkpoint(), for a caller holding the machine lock."""
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
                 self.reload()
-                return self._checkpoint(store, name, labels, history, live, start_first, held)
+                return self._checkpoint(store, name, labels, history, live, start_first, held, context)
         except Busy:
             raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool, start_first: bool, held: bool) -> PendingCheckpoint:
+                    history: int, live: bool, start_first: bool, held: bool,
+                    context: str | None) -> PendingCheckpoint:
         home = self.engine.home
         caches = Caches.of(home.root, home.runtime)
         for folder in (caches.ram, caches.devstate, caches.layers):
@@ -482,7 +484,8 @@ class Machine:
                 parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
                 meta={"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
-                      "mac": r.mac, "network": r.network, "pause_s": cap.pause_s},
+                      "mac": r.mac, "network": r.network, "pause_s": cap.pause_s,
+                      **({} if context is None else {"context": context})},
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),

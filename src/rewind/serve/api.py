@@ -1,0 +1,541 @@
+"""`rewind serve`: the HTTP API (FastAPI) over the SDK, with the MCP server at /mcp.
+
+Endpoints are plain `def`s, so FastAPI runs them in its threadpool and a long guest command
+never blocks the event loop; the engine's per-machine locks keep concurrent requests safe.
+Streaming answers (exec output, create progress) are server-sent events fed from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import FileResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rewind.errors import InvalidArgument, RewindError
+from rewind.sandbox import command_argv
+from rewind.serve import wire
+from rewind.serve.service import MAX_FORKS, Service
+
+SSE = "text/event-stream"
+OCTETS = "application/octet-stream"
+BINARY_BODY = {"requestBody": {"required": True,
+                               "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+# Readiness probes and the API's description need no token (a browser on /docs cannot send one);
+# every operation does.
+PUBLIC_PATHS = {"/health", "/openapi.json", "/docs"}
+KEPT_ANSWERS = 10_000  # Idempotency-Key answers kept, oldest forgotten first
+
+
+# ---- request bodies ----
+
+class CreateBody(BaseModel):
+    name: str | None = None
+    memory: int | None = Field(None, description="MiB (default: the engine's)")
+    cpus: int | None = None
+    disk: int = Field(0, description="MiB; 0: the image's size")
+    labels: dict[str, str] | None = None
+    image: str | None = None
+    from_checkpoint: str | None = Field(None, description="Start from this checkpoint instead of booting")
+    at: str | None = Field(None, description="Count back from from_checkpoint, such as ~2")
+    network: dict | None = Field(None, description='First rules: {"internet": false, "allow": ["pypi.org"]}')
+
+
+class ExecBody(BaseModel):
+    cmd: str | list[str] = Field(description="A string runs under bash -c; a list runs the program directly")
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    timeout: float | None = None
+    stdin: str | None = None
+    stdin_base64: str | None = Field(None, description="Binary stdin, base64-encoded (instead of stdin)")
+    max_output: int | None = None
+
+    def args(self) -> dict[str, Any]:
+        """Keyword arguments for Service.exec."""
+        args = self.model_dump(exclude={"stdin_base64"})
+        if self.stdin_base64 is not None:
+            if self.stdin is not None:
+                raise InvalidArgument("give stdin or stdin_base64, not both")
+            try:
+                args["stdin"] = base64.b64decode(self.stdin_base64, validate=True)
+            except binascii.Error as e:
+                raise InvalidArgument(f"stdin_base64 is not base64: {e}") from None
+        return args
+
+
+class GuardedBody(BaseModel):
+    cmd: str
+    verify: str | None = None
+    allow_external: bool = False
+    cwd: str | None = None
+    timeout: float | None = None
+    offline: bool = False
+
+
+class TryBody(BaseModel):
+    step: str
+    verify: str | None = None
+    offline: bool = True
+    cwd: str | None = None
+    timeout: float = 600.0
+
+
+class CheckpointBody(BaseModel):
+    name: str | None = None
+    labels: dict[str, str] | None = None
+    wait: bool = Field(False, description="Answer once the point is in the store, not once captured")
+    context: str | None = Field(None, description="Your own state at this point (up to 64 KiB of text); "
+                                                  "history and restore give it back")
+
+
+class RestoreBody(BaseModel):
+    ref: str = Field(description="~N, an id prefix or a name")
+
+
+class ForkBody(BaseModel):
+    count: int = Field(1, ge=1, le=MAX_FORKS)
+    names: list[str] | None = Field(None, description="One copy per name (overrides count)")
+    labels: dict[str, str] | None = None
+    network: dict | None = None
+
+
+class NetworkBody(BaseModel):
+    internet: bool = True
+    allow: list[str] | None = None
+    deny: list[str] | None = None
+
+
+class ClassifyBody(BaseModel):
+    command: str
+    cwd: str | None = None
+
+
+# ---- auth, idempotency, errors ----
+
+class BearerAuth:
+    """Every request but PUBLIC_PATHS needs `Authorization: Bearer <token>` (compared in
+    constant time); refused requests get a problem+json 401."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        body = {"type": "/errors/Unauthorized", "title": "Unauthorized", "status": 401,
+                "detail": "this server needs the header Authorization: Bearer <token>"}
+        response = JSONResponse(body, 401, media_type=wire.PROBLEM_TYPE,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class Idempotency:
+    """Answers kept by Idempotency-Key: a repeated request (same key and route) gets the first
+    answer again, marked `Idempotent-Replayed: true`, and does nothing; one that arrives while
+    the first is still running waits for it; the same key with another body is refused. Kept
+    in memory (the last KEPT_ANSWERS) for the daemon's life."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: OrderedDict[tuple[str, str], tuple[threading.Lock, str]] = OrderedDict()
+        self._answers: dict[tuple[str, str], tuple[int, Any]] = {}
+
+    def run(self, key: str | None, route: str, request: BaseModel, status: int,
+            work: Callable[[], Any]) -> JSONResponse:
+        if key is None:
+            return JSONResponse(work(), status)
+        slot, fingerprint = (key, route), request.model_dump_json()
+        with self._lock:
+            lock, first = self._slots.setdefault(slot, (threading.Lock(), fingerprint))
+            while len(self._slots) > KEPT_ANSWERS:
+                self._answers.pop(self._slots.popitem(last=False)[0], None)
+        if first != fingerprint:
+            raise InvalidArgument(f"Idempotency-Key {key!r} was used for another request to {route}")
+        with lock:
+            replayed = slot in self._answers
+            if not replayed:
+                self._answers[slot] = (status, work())  # an error is not kept: a retry runs again
+            status, body = self._answers[slot]
+        return JSONResponse(body, status, headers={"Idempotent-Replayed": str(replayed).lower()})
+
+
+def _problem_response(exc: RewindError) -> JSONResponse:
+    body = wire.problem(exc)
+    return JSONResponse(body, body["status"], media_type=wire.PROBLEM_TYPE)
+
+
+def _sse(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _events(work: Callable[[Callable[[str, Any], None]], tuple[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events from `work`, run in a thread: what it emits as it goes, then the
+    event it returns (or `error` with a problem document)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
+
+    def emit(event: str, data: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (event, data))
+
+    def run() -> None:
+        try:
+            emit(*work(emit))
+        except RewindError as e:
+            emit("error", wire.problem(e))
+        except Exception as e:  # the stream has begun: the failure can only be told as an event
+            logger.exception("a streamed request failed")
+            emit("error", wire.internal_problem(e))
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    task = loop.run_in_executor(None, run)
+    while (item := await queue.get()) is not None:
+        yield _sse(*item)
+    await task
+
+
+def _progress_stream(work: Callable[[Callable[[str], None]], Any]) -> StreamingResponse:
+    """`progress` events for each step `work` reports, then `result` with what it returns."""
+    return StreamingResponse(_events(lambda emit: ("result", work(lambda step: emit("progress", step)))),
+                             media_type=SSE)
+
+
+def _wants_events(request: Request) -> bool:
+    return SSE in request.headers.get("accept", "")
+
+
+def _labels(pairs: list[str]) -> dict[str, str] | None:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"a label filter looks like KEY=VALUE, not {pair!r}")
+        out[key] = value
+    return out or None
+
+
+# ---- the app ----
+
+def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> ASGIApp:
+    """The API over `service`; with `token`, every request but PUBLIC_PATHS must carry it."""
+    from rewind.serve.mcpserver import build_server  # the MCP face shares the service
+
+    mcp = build_server(service)
+    mcp_http = mcp.streamable_http_app(streamable_http_path="/mcp", host=host)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with mcp.session_manager.run():
+            yield
+
+    app = FastAPI(title="rewind", version="0.1.0", lifespan=lifespan,
+                  description="An undo button for AI agents: machines you can checkpoint, restore in place, "
+                              "fork, and try a risky step in a copy of. Errors are application/problem+json "
+                              "whose title names the error class. Create, fork and checkpoint accept an "
+                              "Idempotency-Key header. Ask for text/event-stream on exec (stdout, stderr, "
+                              "exit events) or create (progress, result events) to stream.")
+    app.router.routes.extend(mcp_http.routes)
+    kept = Idempotency()
+
+    @app.exception_handler(RewindError)
+    async def rewind_error(_: Request, exc: RewindError) -> JSONResponse:
+        return _problem_response(exc)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # Still a problem document; the server logs the traceback.
+        return JSONResponse(wire.internal_problem(exc), 500, media_type=wire.PROBLEM_TYPE)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        body = {**wire.problem(InvalidArgument(where)), "status": 422}
+        return JSONResponse(body, 422, media_type=wire.PROBLEM_TYPE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        title = "NotFound" if exc.status_code == 404 else "HTTPError"
+        body = {"type": f"/errors/{title}", "title": title, "status": exc.status_code,
+                "detail": str(exc.detail)}
+        return JSONResponse(body, exc.status_code, media_type=wire.PROBLEM_TYPE)
+
+    @app.get("/health", tags=["server"])
+    def health() -> dict:
+        return {"ok": True}
+
+    # ---- machines ----
+
+    @app.get("/machines", tags=["machines"])
+    def list_machines(label: Annotated[list[str] | None, Query(description="KEY=VALUE; repeatable")] = None
+                      ) -> list[dict]:
+        return service.list(_labels(label or []))
+
+    @app.post("/machines", tags=["machines"], status_code=201)
+    def create(request: Request, body: CreateBody,
+               idempotency_key: str | None = Header(None)) -> Response:
+        """Start a machine (from the image, or from a checkpoint). With Accept: text/event-stream,
+        `progress` events, then `result` (the machine) or `error`."""
+        args = body.model_dump()
+        if _wants_events(request) and idempotency_key is None:
+            return _progress_stream(lambda progress: service.create(**args, progress=progress))
+        return kept.run(idempotency_key, "create", body, 201, lambda: service.create(**args))
+
+    @app.get("/machines/{name}", tags=["machines"])
+    def get_machine(name: str) -> dict:
+        return service.info(name)
+
+    @app.delete("/machines/{name}", tags=["machines"], status_code=204)
+    def delete_machine(name: str) -> Response:
+        service.delete(name)
+        return Response(status_code=204)
+
+    @app.post("/machines/{name}/stop", tags=["machines"])
+    def stop(name: str) -> dict:
+        return service.stop(name)
+
+    @app.post("/machines/{name}/start", tags=["machines"])
+    def start(request: Request, name: str) -> Any:
+        """Boot a stopped machine. With Accept: text/event-stream, `progress` events, then `result`."""
+        if _wants_events(request):
+            return _progress_stream(lambda progress: service.start(name, progress))
+        return service.start(name)
+
+    # ---- commands ----
+
+    @app.post("/machines/{name}/exec", tags=["commands"])
+    def exec_(request: Request, name: str, body: ExecBody) -> Any:
+        """Run a command and answer with its result (exit_code, stdout, stderr, verdict). With
+        Accept: text/event-stream: `stdout` and `stderr` events as output comes, then `exit`."""
+        args = body.args()
+        if not _wants_events(request):
+            return service.exec(name, **args)
+        command_argv(body.cmd)  # bad input is a 400 before the stream starts
+        service.sandbox(name)
+
+        def run(emit: Callable[[str, Any], None]) -> tuple[str, Any]:
+            return "exit", service.exec(name, **args, on_stdout=lambda s: emit("stdout", s),
+                                        on_stderr=lambda s: emit("stderr", s))
+        return StreamingResponse(_events(run), media_type=SSE)
+
+    @app.post("/machines/{name}/guarded", tags=["commands"])
+    def guarded(name: str, body: GuardedBody) -> dict:
+        """Run a command with the cheapest undo that covers it (see /classify)."""
+        return service.guarded(name, **body.model_dump())
+
+    @app.post("/machines/{name}/try", tags=["commands"])
+    def try_(name: str, body: TryBody) -> dict:
+        """Run a step (and a check) in a copy; the copy replaces the machine only if both pass."""
+        return service.try_in_copy(name, **body.model_dump())
+
+    @app.post("/classify", tags=["commands"])
+    def classify(body: ClassifyBody) -> dict:
+        """What undo a shell command needs: none, git, fork or external, and why."""
+        return service.classify(body.command, body.cwd)
+
+    # ---- files and network ----
+
+    @app.get("/machines/{name}/files", tags=["files"], response_class=FileResponse,
+             responses={200: {"content": {OCTETS: {}}}})
+    def download(name: str, path: str) -> FileResponse:
+        """A guest file, streamed from a copy on the host; X-Rewind-Mode: its permission bits (octal)."""
+        out, _ = _produced(service, lambda out: service.download(name, path, out))
+        return _sent(out, headers={"X-Rewind-Mode": f"{out.stat().st_mode & 0o7777:o}"})
+
+    @app.put("/machines/{name}/files", tags=["files"], status_code=204, openapi_extra=BINARY_BODY)
+    async def upload(request: Request, name: str, path: str,
+                     mode: Annotated[int, Query(description="Permission bits, such as 493 (0o755)")] = 0o644
+                     ) -> Response:
+        """Write a whole guest file from the body (streamed to the host first); it appears whole
+        or not at all."""
+        async with _received(request, service) as src:
+            os.chmod(src, mode & 0o7777)
+            await asyncio.to_thread(service.upload, name, src, path)
+        return Response(status_code=204)
+
+    @app.get("/machines/{name}/network", tags=["network"])
+    def network(name: str) -> dict:
+        return service.network(name)
+
+    @app.put("/machines/{name}/network", tags=["network"])
+    def set_network(name: str, body: NetworkBody) -> dict:
+        return service.set_network(name, **body.model_dump())
+
+    # ---- checkpoints ----
+
+    @app.post("/machines/{name}/checkpoints", tags=["checkpoints"], status_code=201)
+    def checkpoint(name: str, body: CheckpointBody, idempotency_key: str | None = Header(None)) -> Response:
+        """Save the whole machine as of now; it runs on."""
+        return kept.run(idempotency_key, f"checkpoint {name}", body, 201,
+                        lambda: service.checkpoint(name, body.name, body.labels, body.wait, body.context))
+
+    @app.get("/machines/{name}/checkpoints", tags=["checkpoints"])
+    def history(name: str) -> list[dict]:
+        """The machine's points, newest first (~0, ~1, ...)."""
+        return service.history(name)
+
+    @app.post("/machines/{name}/restore", tags=["checkpoints"])
+    def restore(name: str, body: RestoreBody) -> dict:
+        """Put the machine back to a point in place: processes, memory and disk."""
+        return service.restore(name, body.ref)
+
+    @app.post("/machines/{name}/fork", tags=["checkpoints"], status_code=201)
+    def fork(name: str, body: ForkBody, idempotency_key: str | None = Header(None)) -> Response:
+        """Live copies from one capture: one machine per copy."""
+        return kept.run(idempotency_key, f"fork {name}", body, 201,
+                        lambda: service.fork(name, **body.model_dump()))
+
+    @app.get("/checkpoints", tags=["checkpoints"])
+    def checkpoints() -> list[dict]:
+        """Every checkpoint in the store, oldest first."""
+        return service.checkpoints()
+
+    @app.get("/checkpoints/{ref}", tags=["checkpoints"])
+    def lineage(ref: str) -> dict:
+        """A checkpoint with its parent, its children and its history."""
+        return service.lineage(ref)
+
+    @app.get("/checkpoints/{ref}/export", tags=["checkpoints"], response_class=FileResponse,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    def export(ref: str) -> FileResponse:
+        """The checkpoint with its history and data, as one file for POST /checkpoints/import."""
+        out, made = _produced(service, lambda out: service.export(ref, out))
+        return _sent(out, filename=f"{made['id'][:12]}.rewind")
+
+    @app.post("/checkpoints/import", tags=["checkpoints"], status_code=201, openapi_extra=BINARY_BODY)
+    async def import_(request: Request) -> dict:
+        """Add an exported checkpoint (the request body), checksums verified first."""
+        async with _received(request, service) as src:
+            return await asyncio.to_thread(service.import_, src)
+
+    _document_bearer(app, token is not None)
+    return app if token is None else BearerAuth(app, token)
+
+
+def _scratch(service: Service) -> Path:
+    """A temporary file beside the store (same file system, not a small /tmp)."""
+    folder = service.home.root / "tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"serve-{secrets.token_hex(6)}"
+
+
+def _produced(service: Service, make: Callable[[Path], T]) -> tuple[Path, T]:
+    """A scratch file `make` fills, and what it returned; nothing is left if it fails."""
+    out = _scratch(service)
+    try:
+        return out, make(out)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+
+
+def _sent(out: Path, filename: str | None = None, headers: dict[str, str] | None = None) -> FileResponse:
+    """`out` streamed as the answer, then removed."""
+    return FileResponse(out, media_type=OCTETS, filename=filename, headers=headers,
+                        background=BackgroundTask(out.unlink, missing_ok=True))
+
+
+@contextlib.asynccontextmanager
+async def _received(request: Request, service: Service) -> AsyncIterator[Path]:
+    """The request body streamed into a scratch file (memory stays flat for big files)."""
+    src = _scratch(service)
+    try:
+        with open(src, "wb") as f:
+            async for chunk in request.stream():
+                await asyncio.to_thread(f.write, chunk)
+        yield src
+    finally:
+        src.unlink(missing_ok=True)
+
+
+def _document_bearer(app: FastAPI, required: bool) -> None:
+    """Say in the OpenAPI document that every operation takes a bearer token."""
+    if not required:
+        return
+    make = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = make()
+            scheme = {"type": "http", "scheme": "bearer"}
+            doc.setdefault("components", {})["securitySchemes"] = {"bearer": scheme}
+            doc["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def read_token(token_file: str | None, no_auth: bool, host: str) -> str | None:
+    """The token the server will require, or None when `no_auth` is allowed (loopback only)."""
+    if no_auth:
+        if token_file:
+            raise InvalidArgument("give either --token-file or --no-auth, not both")
+        if not _loopback(host):
+            raise InvalidArgument(f"--no-auth is only allowed on a loopback address, not {host}")
+        return None
+    if not token_file:
+        raise InvalidArgument("a token is required: --token-file FILE (or --no-auth on a loopback address)")
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the token file {token_file}: {e.strerror}") from None
+    if not token:
+        raise InvalidArgument(f"the token file {token_file} is empty")
+    return token
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(service: Service, host: str, port: int, token: str | None) -> None:
+    """Run the API until interrupted. The socket is bound first, so a port in use is one clear error."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # The protocol must be named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and without it every answer on a kept-alive connection waited 40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    bound = sock.getsockname()[1]  # --port 0 picks a free one: say which
+    print(f"rewind: serving on http://{host}:{bound} (MCP at /mcp; "
+          f"{'no token' if token is None else 'bearer token required'})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(service, token, host), log_level="warning", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,178 @@
+"""The verbs the HTTP API and the MCP server share, each a call into the SDK or the engine.
+
+They are blocking (they talk to guests and the store); callers run them off the event loop.
+Every one returns JSON-ready data, so both faces answer with the same shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rewind.engine.machine import Engine
+from rewind.engine.netrules import NetworkRules
+from rewind.errors import InvalidArgument
+from rewind.guard.classify import classify
+from rewind.home import Home
+from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
+from rewind.serve import wire
+from rewind.store import Store, export_checkpoint, import_checkpoint
+
+MAX_FORKS = 64
+
+
+@dataclass(frozen=True)
+class Service:
+    home: Home
+    store_path: str | os.PathLike[str] | None = None
+
+    @classmethod
+    def from_env(cls, store: str | os.PathLike[str] | None = None) -> Service:
+        return cls(Home.from_env(), store)
+
+    def sandbox(self, name: str) -> Sandbox:
+        return Sandbox.get(name, home=self.home, store=self.store_path)
+
+    def store(self, settled: bool = False) -> Store:
+        """The store; `settled`: once every checkpoint still being written is in it."""
+        if settled:
+            Engine(self.home).settle()
+        return open_store(self.home, self.store_path)
+
+    # ---- machines ----
+
+    def create(self, name: str | None = None, *, memory: int | None = None, cpus: int | None = None,
+               disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
+               from_checkpoint: str | None = None, at: str | None = None, network: dict | None = None,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        sizes = {k: v for k, v in (("memory", memory), ("cpus", cpus)) if v is not None}
+        sbx = Sandbox.create(name, disk=disk, labels=labels, image=image, from_checkpoint=from_checkpoint,
+                             at=at, network=network, home=self.home, store=self.store_path,
+                             progress=progress, **sizes)
+        return wire.info_json(sbx.info())
+
+    def list(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        return [wire.info_json(m.info()) for m in Engine(self.home).list(labels)]
+
+    def info(self, name: str) -> dict[str, Any]:
+        return wire.info_json(self.sandbox(name).info())
+
+    def stop(self, name: str) -> dict[str, Any]:
+        sbx = self.sandbox(name)
+        sbx.stop()
+        return wire.info_json(sbx.info())
+
+    def start(self, name: str, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        sbx = self.sandbox(name)
+        sbx.start(progress)
+        return wire.info_json(sbx.info())
+
+    def delete(self, name: str) -> None:
+        self.sandbox(name).delete()
+
+    # ---- commands ----
+
+    def exec(self, name: str, cmd: Command, *, cwd: str | None = None, env: dict[str, str] | None = None,
+             timeout: float | None = None, stdin: str | bytes | None = None, max_output: int | None = None,
+             on_stdout: Callable[[str], None] | None = None,
+             on_stderr: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """The command's result, with the guard's verdict on it (what undo it would need)."""
+        result = self.sandbox(name).exec(cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin,
+                                         max_output=max_output, on_stdout=on_stdout, on_stderr=on_stderr)
+        return {**wire.exec_json(result), "verdict": self.verdict(cmd, cwd)}
+
+    @staticmethod
+    def verdict(cmd: Command, cwd: str | None) -> dict | None:
+        """classify's answer for a shell string; an argv list or an unreadable command has none."""
+        if not isinstance(cmd, str):
+            return None
+        try:
+            return classify(cmd, cwd=cwd or "/root").to_json()
+        except InvalidArgument:
+            return None
+
+    def guarded(self, name: str, cmd: str, *, verify: str | None = None, allow_external: bool = False,
+                cwd: str | None = None, timeout: float | None = None, offline: bool = False
+                ) -> dict[str, Any]:
+        return self.sandbox(name).guarded(cmd, verify=verify, allow_external=allow_external, cwd=cwd,
+                                          timeout=timeout, offline=offline).to_json()
+
+    def try_in_copy(self, name: str, step: str, verify: str | None = None, *, offline: bool = True,
+                    cwd: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+        sbx = self.sandbox(name)
+        return try_in_copy(sbx, step, verify, offline=offline, cwd=cwd, timeout=timeout).to_json()
+
+    @staticmethod
+    def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
+        return classify(command, cwd=cwd).to_json()
+
+    # ---- files and network ----
+
+    def read_file(self, name: str, path: str) -> bytes:
+        return self.sandbox(name).files.read(path)
+
+    def write_file(self, name: str, path: str, data: bytes, mode: int | None = None) -> None:
+        self.sandbox(name).files.write(path, data, mode)
+
+    def download(self, name: str, path: str, out: Path) -> None:
+        """A guest file copied to `out` on the host, with its permission bits."""
+        self.sandbox(name).files.download(path, out)
+
+    def upload(self, name: str, src: Path, path: str) -> None:
+        """A host file written into the guest, with its permission bits."""
+        self.sandbox(name).files.upload(src, path)
+
+    def network(self, name: str) -> dict[str, Any]:
+        return self.sandbox(name).network.get()
+
+    def set_network(self, name: str, internet: bool = True, allow: list[str] | None = None,
+                    deny: list[str] | None = None) -> dict[str, Any]:
+        return self.sandbox(name).network.set(internet=internet, allow=allow, deny=deny)
+
+    # ---- checkpoints ----
+
+    def checkpoint(self, name: str, point_name: str | None = None, labels: dict[str, str] | None = None,
+                   wait: bool = False, context: str | None = None) -> dict[str, Any]:
+        point = self.sandbox(name).checkpoint(point_name, labels, wait=wait, context=context)
+        return wire.checkpoint_json(point)
+
+    def history(self, name: str) -> list[dict[str, Any]]:
+        return [wire.checkpoint_json(c) for c in self.sandbox(name).history()]
+
+    def restore(self, name: str, ref: str) -> dict[str, Any]:
+        return wire.checkpoint_json(self.sandbox(name).restore(ref))
+
+    def fork(self, name: str, count: int = 1, names: list[str] | None = None,
+             labels: dict[str, str] | None = None, network: dict | None = None) -> list[dict[str, Any]]:
+        """`count` live copies from one capture (or one per name in `names`), one result each."""
+        wanted: list[str | None] = list(names) if names else [None] * count
+        if not 1 <= len(wanted) <= MAX_FORKS:
+            raise InvalidArgument(f"a fork makes 1 to {MAX_FORKS} copies (asked for {len(wanted)})")
+        engine = Engine(self.home)
+        rules = NetworkRules.from_json(network) if network is not None else None
+        children = engine.fork(engine.get(name), self.store(), wanted, labels=labels, network=rules)
+        return [wire.info_json(child.info()) for child in children]
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        return [wire.checkpoint_json(Checkpoint.of(m, ref="")) for m in self.store(settled=True).list()]
+
+    def lineage(self, ref: str) -> dict[str, Any]:
+        """A checkpoint with its parent, its children, and the history it keeps."""
+        store = self.store(settled=True)
+        point = store.get(ref)
+        children = [Checkpoint.of(m, ref="") for m in store.list() if m.parent == point.id]
+        history = [wire.checkpoint_json(Checkpoint.of(e, f"~{i}"))
+                   for i, e in enumerate([point.entry(), *point.history])]
+        return {**wire.checkpoint_json(Checkpoint.of(point)), "history": history,
+                "children": [wire.checkpoint_json(c) for c in children]}
+
+    def export(self, ref: str, out: Path) -> dict[str, Any]:
+        manifest = export_checkpoint(self.store(settled=True), ref, out)
+        return {"id": manifest.id, "name": manifest.name}
+
+    def import_(self, src: Path) -> dict[str, Any]:
+        manifest = import_checkpoint(self.store(), src)
+        return {"id": manifest.id, "name": manifest.name}

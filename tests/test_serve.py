@@ -1,0 +1,234 @@
+"""`rewind serve`: the HTTP API driven by an HTTP client against a real daemon on loopback,
+with real guests: auth, OpenAPI, JSON and streamed exec, checkpoints, fork with a count,
+Idempotency-Key, problem+json errors, MCP at /mcp, and the CLI's refusals."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx2
+import pytest
+from conftest import rewind_cli
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from openapi_spec_validator import validate
+from serving import served
+
+from rewind import Home
+
+TOKEN = secrets.token_urlsafe(24)
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture(scope="module")
+def url(shared_home: Home, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with served(shared_home, tmp_path_factory.mktemp("serve") / "serve.log", TOKEN) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(url: str) -> Iterator[httpx2.Client]:
+    with httpx2.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
+                       timeout=httpx2.Timeout(120, connect=5)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def machine(http: httpx2.Client) -> str:
+    r = http.post("/machines", json={"name": "api", "labels": {"via": "http"}})
+    assert r.status_code == 201, r.text
+    return r.json()["name"]
+
+
+def _problem(r: httpx2.Response, status: int, title: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == PROBLEM
+    body = r.json()
+    assert body["title"] == title and body["type"] == f"/errors/{title}" and body["status"] == status
+    return body
+
+
+def test_requests_without_the_token_are_refused(url: str) -> None:
+    # Readiness and the API's description need no token; operations do.
+    assert httpx2.get(f"{url}/health").status_code == 200
+    assert httpx2.get(f"{url}/openapi.json").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        _problem(httpx2.get(f"{url}/machines", headers=headers), 401, "Unauthorized")
+        _problem(httpx2.post(f"{url}/machines", json={}, headers=headers), 401, "Unauthorized")
+    _problem(httpx2.post(f"{url}/mcp", json={}), 401, "Unauthorized")
+
+
+def test_openapi_document_is_valid(http: httpx2.Client) -> None:
+    doc = http.get("/openapi.json").json()
+    validate(doc)
+    assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    verbs = ("exec", "checkpoints", "restore", "fork", "try", "guarded", "files", "network", "start", "stop")
+    for path in ("/machines", "/classify", "/checkpoints/{ref}/export", "/checkpoints/import",
+                 *(f"/machines/{{name}}/{verb}" for verb in verbs)):
+        assert path in doc["paths"], path
+
+
+def test_exec_answers_json_with_the_guards_verdict(http: httpx2.Client, machine: str) -> None:
+    r = http.post(f"/machines/{machine}/exec", json={"cmd": "echo out; echo err >&2; exit 3"})
+    body = r.json()
+    assert (body["exit_code"], body["stdout"], body["stderr"], body["ok"]) == (3, "out\n", "err\n", False)
+    assert body["verdict"]["kind"] == "none"
+    r = http.post(f"/machines/{machine}/exec", json={"cmd": ["cat"], "stdin": "from stdin"})
+    assert r.json()["stdout"] == "from stdin" and r.json()["verdict"] is None
+    r = http.post(f"/machines/{machine}/exec", json={"cmd": "rm -rf /opt"})
+    assert r.json()["verdict"]["kind"] == "fork"
+
+
+def test_exec_streams_server_sent_events(http: httpx2.Client, machine: str) -> None:
+    events: list[tuple[float, str, object]] = []
+    with http.sse(f"/machines/{machine}/exec", method="POST",
+                  json={"cmd": "echo first; sleep 1.5; echo second >&2; exit 4"}) as source:
+        for sse in source:
+            events.append((time.monotonic(), sse.event, sse.json()))
+    assert [(e, d) for _, e, d in events[:-1]] == [("stdout", "first\n"), ("stderr", "second\n")]
+    done_at, last, result = events[-1]
+    assert last == "exit" and result["exit_code"] == 4 and result["stdout"] == "first\n"
+    assert done_at - events[0][0] > 1.0, "stdout came only at the end, not streamed"
+
+
+def test_checkpoint_rm_rf_restore_one_answer_per_idempotency_key(http: httpx2.Client, machine: str) -> None:
+    put = http.put(f"/machines/{machine}/files", params={"path": "/root/work/keep.txt"},
+                   content=b"precious\n", headers={"Content-Type": "application/octet-stream"})
+    assert put.status_code == 204, put.text
+    key = {"Idempotency-Key": secrets.token_hex(8)}
+    first = http.post(f"/machines/{machine}/checkpoints", json={"name": "before-rm"}, headers=key)
+    again = http.post(f"/machines/{machine}/checkpoints", json={"name": "before-rm"}, headers=key)
+    assert first.status_code == again.status_code == 201
+    assert first.json() == again.json()
+    assert (first.headers["Idempotent-Replayed"], again.headers["Idempotent-Replayed"]) == ("false", "true")
+    _problem(http.post(f"/machines/{machine}/checkpoints", json={"name": "other"}, headers=key), 400,
+             "InvalidArgument")
+    history = http.get(f"/machines/{machine}/checkpoints").json()
+    assert [p["name"] for p in history].count("before-rm") == 1
+
+    assert http.post(f"/machines/{machine}/exec", json={"cmd": "rm -rf /root/work"}).json()["ok"]
+    _problem(http.get(f"/machines/{machine}/files", params={"path": "/root/work/keep.txt"}), 422,
+             "GuestFileError")
+    restored = http.post(f"/machines/{machine}/restore", json={"ref": "before-rm"})
+    assert restored.json()["id"] == first.json()["id"]
+    got = http.get(f"/machines/{machine}/files", params={"path": "/root/work/keep.txt"})
+    assert got.content == b"precious\n" and got.headers["content-type"] == "application/octet-stream"
+    assert got.headers["X-Rewind-Mode"] == "644"
+
+
+def test_fork_with_a_count_gives_one_machine_per_copy(http: httpx2.Client, machine: str) -> None:
+    http.post(f"/machines/{machine}/exec", json={"cmd": "echo forked > /root/mark"})
+    r = http.post(f"/machines/{machine}/fork", json={"count": 2, "labels": {"role": "child"}})
+    assert r.status_code == 201, r.text
+    children = [c["name"] for c in r.json()]
+    try:
+        assert len(set(children)) == 2
+        for child in children:
+            out = http.post(f"/machines/{child}/exec", json={"cmd": "cat /root/mark; hostname"})
+            assert out.json()["stdout"] == f"forked\n{child}\n"
+        listed = http.get("/machines", params={"label": "role=child"}).json()
+        assert sorted(m["name"] for m in listed) == sorted(children)
+        lineage = http.get(f"/checkpoints/{http.get(f'/machines/{children[0]}/checkpoints').json()[0]['id']}")
+        assert lineage.status_code == 200 and lineage.json()["history"][0]["ref"] == "~0"
+    finally:
+        for child in children:
+            assert http.delete(f"/machines/{child}").status_code == 204
+
+
+def test_create_with_a_repeated_idempotency_key_makes_one_machine(http: httpx2.Client) -> None:
+    key = {"Idempotency-Key": secrets.token_hex(8)}
+    first = http.post("/machines", json={"labels": {"idem": "1"}}, headers=key)
+    again = http.post("/machines", json={"labels": {"idem": "1"}}, headers=key)
+    assert first.status_code == again.status_code == 201 and first.json() == again.json()
+    listed = http.get("/machines", params={"label": "idem=1"}).json()
+    assert [m["name"] for m in listed] == [first.json()["name"]]
+    assert http.delete(f"/machines/{first.json()['name']}").status_code == 204
+    _problem(http.get(f"/machines/{first.json()['name']}"), 404, "NotFound")
+
+
+def test_try_and_guarded_leave_the_machine_untouched_on_failure(http: httpx2.Client, machine: str) -> None:
+    http.put(f"/machines/{machine}/files", params={"path": "/root/proj/a.txt"}, content=b"a\n")
+    tried = http.post(f"/machines/{machine}/try", json={"step": "rm -rf /root/proj && false"}).json()
+    assert (tried["kept"], tried["passed"]) == ("original", False)
+    guarded = http.post(f"/machines/{machine}/guarded",
+                        json={"cmd": "rm -f a.txt && exit 1", "cwd": "/root/proj"}).json()
+    assert (guarded["path"], guarded["undone"]) == ("git", True)
+    assert http.get(f"/machines/{machine}/files", params={"path": "/root/proj/a.txt"}).content == b"a\n"
+    refused = _problem(http.post(f"/machines/{machine}/guarded", json={"cmd": "git push origin main"}),
+                       403, "Refused")
+    assert refused["decision"]["kind"] == "external"
+    assert http.post("/classify", json={"command": "git push"}).json()["kind"] == "external"
+
+
+def test_errors_are_problem_documents_and_the_machine_survives(http: httpx2.Client, machine: str) -> None:
+    _problem(http.get("/machines/nope"), 404, "NotFound")
+    _problem(http.post("/machines/nope/exec", json={"cmd": "true"}), 404, "NotFound")
+    exec_ = f"/machines/{machine}/exec"
+    _problem(http.post(exec_, json={"cmd": ""}), 400, "InvalidArgument")
+    _problem(http.post(exec_, json={"cmd": [1]}), 422, "InvalidArgument")
+    _problem(http.post(exec_, json={"cmd": "true", "timeout": -1}), 400, "InvalidArgument")
+    _problem(http.post(f"/machines/{machine}/restore", json={"ref": "no-such-point"}), 404,
+             "UnknownCheckpoint")
+    _problem(http.post("/machines", json={"name": machine}), 409, "AlreadyExists")
+    _problem(http.post("/checkpoints/import", content=b"not an export"), 400, "BadExport")
+    _problem(http.get("/no/such/route"), 404, "NotFound")
+    assert http.get(f"/machines/{machine}").json()["status"] == "running"
+    assert http.post(f"/machines/{machine}/exec", json={"cmd": "echo alive"}).json()["stdout"] == "alive\n"
+
+
+def test_export_then_import_into_the_same_store_is_a_duplicate(http: httpx2.Client, machine: str) -> None:
+    point = http.post(f"/machines/{machine}/checkpoints", json={"name": "to-export", "wait": True}).json()
+    exported = http.get(f"/checkpoints/{point['id']}/export")
+    assert exported.status_code == 200 and len(exported.content) > 1 << 20
+    _problem(http.post("/checkpoints/import", content=exported.content), 409, "CheckpointExists")
+
+
+def test_network_rules_round_trip(http: httpx2.Client, machine: str) -> None:
+    rules = http.put(f"/machines/{machine}/network", json={"internet": False, "allow": ["pypi.org"]}).json()
+    assert rules == {"internet": False, "allow": ["pypi.org"], "deny": []}
+    assert http.get(f"/machines/{machine}/network").json() == rules
+    http.put(f"/machines/{machine}/network", json={"internet": True})
+
+
+def test_mcp_is_served_at_slash_mcp_with_the_same_token(url: str, machine: str) -> None:
+    async def session() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx2.AsyncClient(headers=headers, timeout=60) as http, \
+                Client(streamable_http_client(f"{url}/mcp", http_client=http)) as client:
+            assert "exec" in {t.name for t in (await client.list_tools()).tools}
+            result = await client.call_tool("exec", {"name": machine, "command": "echo via mcp"})
+            assert not result.is_error and result.structured_content["stdout"] == "via mcp\n"
+    anyio.run(session)
+
+
+def _port_in_use() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def test_the_cli_refuses_bad_setups_in_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    holder, busy = _port_in_use()
+    with holder:
+        token = tmp_path / "token"
+        token.write_text("t0k3n\n")
+        cases = [
+            ((), "a token is required"),
+            (("--token-file", str(tmp_path / "missing")), "cannot read the token file"),
+            (("--token-file", str(empty)), "is empty"),
+            (("--no-auth", "--host", "0.0.0.0"), "only allowed on a loopback address"),
+            (("--token-file", str(token), "--port", str(busy)), f"cannot listen on 127.0.0.1:{busy}"),
+        ]
+        for args, message in cases:
+            r = rewind_cli("serve", *args, timeout=60)
+            err = r.stderr.decode()
+            assert r.returncode == 1 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+            assert "Traceback" not in err
