@@ -17,6 +17,7 @@ import pytest
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
 from rewind.engine import pending
+from rewind.engine.machine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
 from rewind.store import CheckpointExists, CorruptChunk, Store
@@ -261,6 +262,16 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
     monkeypatch.setattr(machine_module, "capture", capture_while_rules_change)
     sbx.checkpoint()
     assert Sandbox.get("racer", home=home).network.get()["internet"] is False
+
+
+def test_a_handle_follows_a_restore_made_through_another(home: Home) -> None:
+    """Handles share a machine: one restores it (a new QEMU), the other's next call reaches it."""
+    first = Sandbox.create("shared", home=home)
+    point = first.checkpoint()
+    second = Sandbox.get("shared", home=home)
+    second.restore(point.id)
+    Engine(home).settle()  # the QEMU the restore replaced has ended
+    assert first.exec("echo here", check=True).stdout == "here\n"
 
 
 def test_a_checkpoint_cut_short_after_its_capture_loses_nothing(home: Home,

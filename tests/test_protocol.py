@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,25 @@ def test_an_idle_answer_to_this_requests_heartbeat_means_a_restart(tmp_path: Pat
     with AgentClient(tmp_path / "a.sock") as client, pytest.raises(AgentGone, match="restarted"):
         client.exec(["sleep", "9"])
     agent.close()
+
+
+def test_a_write_waits_for_a_guest_slow_to_read(tmp_path: Path, monkeypatch) -> None:
+    """A guest that stops reading for longer than the client's receive timeout (a busy host)
+    slows a write down; it does not fail it (a 100 MB write failed after 2 s under load)."""
+    monkeypatch.setattr(agent_module, "HEARTBEAT_AFTER", 0.2)
+    got = []
+
+    def script(conn, _request, rest) -> None:
+        conn.sendall(encode({"t": "ready"}))
+        time.sleep(1.0)  # the client's send buffer fills while nothing is read
+        for frame in rest:
+            got.append(frame["t"])
+            if frame["t"] == "end":
+                conn.sendall(encode({"t": "ok"}))
+                return
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    with AgentClient(tmp_path / "a.sock") as client:
+        client.write_file("/root/big", io.BytesIO(bytes(16 << 20)))
+    agent.close()
+    assert got[-1] == "end" and got.count("data") > 1

@@ -95,6 +95,9 @@ class AgentClient:
     def _send(self, header: dict, payload: bytes = b"") -> None:
         assert self._sock is not None
         try:
+            # A receive leaves its own short timeout on the socket; a send waits as long as a
+            # busy guest is given to answer (with the receive's, a 100 MB write failed under load).
+            self._sock.settimeout(HEARTBEAT_AFTER + HEARTBEAT_GRACE)
             self._sock.sendall(encode(header, payload))
         except OSError as e:
             self._alive()

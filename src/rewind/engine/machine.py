@@ -257,6 +257,7 @@ class Machine:
     @contextmanager
     def agent(self, connect_timeout: float = 30.0) -> Iterator[AgentClient]:
         """A session with the guest agent, on the first free agent port."""
+        self.reload()  # another handle may have restored it: a new QEMU
         self.check_alive()
         what = f"machine {self.name!r}"
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
