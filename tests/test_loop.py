@@ -54,7 +54,7 @@ def test_a_point_stored_by_its_changes_restores_identical_memory(home: Home) -> 
     store.materialize(store.get(second.id).blobs["ram"], home.root / "from-store.ram")
     assert hashlib.sha256((home.root / "from-store.ram").read_bytes()).hexdigest() == captured
     (home.root / "from-store.ram").unlink()
-    again = Sandbox.create("again", home=home, from_checkpoint=second.id)
+    again = Sandbox.create("again", home=home, from_checkpoint=second)  # a Checkpoint, as returned
     got = again.exec("sha256sum /dev/shm/pattern", check=True, timeout=60).stdout.split()[0]
     assert got == _expected("one", "two")
     assert first.id in [c.id for c in again.history()]

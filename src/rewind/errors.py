@@ -1,4 +1,34 @@
-"""Errors rewind raises. Every one carries a message a person can act on."""
+"""Errors rewind raises. Every one carries a message a person can act on.
+
+Every error rewind raises on purpose is a RewindError; the tree below is checked against
+the code by tests/test_api.py (a new error class must be placed in it):
+
+    RewindError
+    ├── InvalidArgument (also ValueError)
+    │   └── store.BadRef                     a checkpoint reference that names several points
+    ├── NotFound (also LookupError)
+    │   └── store.UnknownCheckpoint
+    ├── AlreadyExists
+    │   └── store.CheckpointExists
+    ├── Busy
+    │   └── store.StoreBusy
+    ├── MachineNotRunning
+    │   └── MachineDied
+    ├── ImageError
+    ├── AgentError
+    │   ├── AgentGone
+    │   └── GuestFileError
+    ├── CommandFailed                        exec(check=True) of a command that exited non-zero
+    ├── store.StoreError                     BadRef, UnknownCheckpoint, CheckpointExists and
+    │   ├── store.CorruptChunk               StoreBusy are StoreErrors too
+    │   └── store.BadExport
+    ├── engine.qemu.QemuError                QEMU would not start or run
+    ├── engine.qmp.MonitorError              QEMU refused a QMP command, or its monitor is gone
+    ├── engine.migstream.StreamError         a memory capture could not be written out
+    ├── engine.ramcache.NoRoom               tmpfs has no room for a memory image
+    ├── guard.gittier.GitTierError           the git tier could not save or put back a project
+    └── guard.guarded.Refused                guarded() will not run a command outside the machine
+"""
 
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ class Sandbox:
     @classmethod
     def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
-               from_checkpoint: str | None = None, at: str | None = None,
+               from_checkpoint: str | Checkpoint | None = None, at: str | None = None,
                network: dict | None = None,
                home: Home | str | os.PathLike[str] | None = None,
                store: str | os.PathLike[str] | None = None,
@@ -137,7 +137,7 @@ class Sandbox:
         """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size);
         `image` names an imported image (`rewind image import`), default the built one.
 
-        With `from_checkpoint` (a checkpoint id, id prefix or name; `at="~2"` counts back
+        With `from_checkpoint` (a Checkpoint, or its id, id prefix or name; `at="~2"` counts back
         from it), the machine runs from that point instead, sharing its memory and disk
         read-only; memory and vCPUs are then the checkpoint's.
 
@@ -146,6 +146,8 @@ class Sandbox:
         but not the host's loopback services."""
         engine = _engine(home)
         rules = NetworkRules.from_json(network) if network is not None else None
+        if isinstance(from_checkpoint, Checkpoint):
+            from_checkpoint = from_checkpoint.id
         if from_checkpoint is not None:
             machine = engine.create_from(open_store(engine.home, store), from_checkpoint, name=name,
                                          labels=labels, at=at, network=rules)
