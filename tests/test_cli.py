@@ -76,6 +76,9 @@ def test_demo_runs(home: Home) -> None:
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode()
     assert "Linux" in out and "first" in out and "exit 3" in out and "deleted" in out
+    # The work and the process's count come back; the failed try and the guarded edit leave no trace.
+    assert "the plan\n2\n" in out and "the original is kept" in out
+    assert "$ cat /work/notes.txt\nthe plan\n" in out
     assert json.loads(rewind_cli("ls", "--json").stdout) == []
 
 

@@ -713,7 +713,7 @@ def doctor(as_json: bool) -> None:
 @cli.command()
 @click.option("--keep", is_flag=True, help="Leave the demo machine running afterwards.")
 def demo(keep: bool) -> None:
-    """Start a machine, run a few commands in it, show what they print."""
+    """Start a machine, break it, and take it back: what rewind is for, in a minute."""
     engine = Engine()
     with progress(True) as report:
         build_image(engine.home.images, report=report)
@@ -722,21 +722,60 @@ def demo(keep: bool) -> None:
     sbx = Sandbox.create(labels={"role": "demo"})
     click.echo(f"started machine {sbx.name} in {time.monotonic() - started:.2f} s")
     try:
-        for cmd in ["uname -srm && hostname", "python3 -c 'import sys; print(sys.version)'",
-                    "mkdir -p /work && cd /work && git init -q && echo hi > a.txt && git add a.txt"
-                    " && git -c user.email=a@b -c user.name=demo commit -qm first && git log --oneline",
-                    "echo to stderr >&2; exit 3"]:
-            click.echo(click.style(f"$ {cmd}", bold=True))
-            t = time.monotonic()
-            r = sbx.exec(cmd, on_stdout=lambda s: click.echo(s, nl=False),
-                         on_stderr=lambda s: click.echo(click.style(s, fg="red"), nl=False, err=True))
-            click.echo(click.style(f"  exit {r.exit_code} in {time.monotonic() - t:.2f} s", dim=True))
+        _demo_steps(sbx)
     finally:
         if keep:
             click.echo(f"machine {sbx.name} is still running; `rewind rm {sbx.name}` removes it")
         else:
             sbx.delete()
             click.echo(f"deleted {sbx.name}")
+
+
+# A process that keeps a count in memory only: it shows a restore brings processes back.
+_DEMO_COUNTER = ("python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\", 7000)); s.listen(); "
+                 "n=0\nwhile True:\n c,_=s.accept(); n+=1; c.sendall(str(n).encode()); c.close()'")
+_DEMO_ASK = ("python3 -c 'import socket; "
+             "print(socket.create_connection((\"127.0.0.1\", 7000)).recv(9).decode())'")
+
+
+def _demo_steps(sbx: Sandbox) -> None:
+    def say(text: str) -> None:
+        click.echo(click.style(f"\n# {text}", fg="cyan"))
+
+    def run(cmd: str) -> None:
+        click.echo(click.style(f"$ {cmd}", bold=True))
+        t = time.monotonic()
+        r = sbx.exec(cmd, on_stdout=lambda s: click.echo(s, nl=False),
+                     on_stderr=lambda s: click.echo(click.style(s, fg="red"), nl=False, err=True))
+        click.echo(click.style(f"  exit {r.exit_code} in {time.monotonic() - t:.2f} s", dim=True))
+
+    say("a real Linux machine, with an agent's work in it and a process holding state in memory")
+    run("uname -srm && hostname")
+    run("mkdir -p /work && cd /work && git init -q && echo 'the plan' > notes.txt && git add . && "
+        "git -c user.email=a@b -c user.name=demo commit -qm first && git log --oneline")
+    sbx.exec(f"nohup {_DEMO_COUNTER} >/dev/null 2>&1 &")
+    run(f"for i in $(seq 50); do {_DEMO_ASK} 2>/dev/null && exit; sleep 0.1; done; exit 1")
+    say("save everything: memory, disk, running processes")
+    t = time.monotonic()
+    point = sbx.checkpoint(name=f"{sbx.name}-before")
+    click.echo(f"checkpoint {point.id[:12]} in {time.monotonic() - t:.2f} s "
+               f"(guest paused {point.pause_ms or 0:.0f} ms)")
+    say("a step goes wrong")
+    run("rm -rf /work; pkill -f 's[.]listen'; ls /work")
+    say("take it back, in place")
+    t = time.monotonic()
+    sbx.restore(point)
+    click.echo(f"restored in {time.monotonic() - t:.2f} s")
+    run(f"cat /work/notes.txt && {_DEMO_ASK}  # the work, and the process with its count")
+    say("try a risky step in a copy: kept only if it passes")
+    outcome = try_in_copy(sbx, "rm -rf /work && false")
+    click.echo(f"{outcome.reason} ({outcome.seconds:.2f} s)")
+    run("ls /work")
+    say("a project edit is guarded by git: undone when its check fails")
+    guarded = sbx.guarded("echo broken > notes.txt", verify="grep -q plan notes.txt", cwd="/work")
+    click.echo(f"{guarded.note} ({guarded.path}, {guarded.seconds:.2f} s)")
+    run("cat /work/notes.txt")
+    run("echo to stderr >&2; exit 3")
 
 
 def main() -> None:
