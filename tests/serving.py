@@ -1,66 +1,24 @@
-"""A real `rewind serve` process for tests: on a free loopback port, over a test's home, ready
-once /health answers, and ended by PID when the test module is done."""
+"""A real `rewind serve` process for tests (see rewind.serve.process)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx2
-
 from rewind import Home
+from rewind.serve.process import home_env, serve_process
 
-READY_WITHIN = 60.0  # seconds; importing the server is the slow part on a loaded host
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def home_env(home: Home) -> dict[str, str]:
-    return {**os.environ, "REWIND_HOME": str(home.root), "REWIND_IMAGES": str(home.images)}
+__all__ = ["home_env", "served"]
 
 
 @contextlib.contextmanager
 def served(home: Home, log: Path, token: str | None) -> Iterator[str]:
     """The URL of a `rewind serve` over `home` (with `token` required, or --no-auth)."""
-    port = free_port()
     auth = ["--no-auth"]
     if token is not None:
         token_file = log.with_suffix(".token")
         token_file.write_text(token + "\n")
         auth = ["--token-file", str(token_file)]
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rewind.cli", "serve", "--port", str(port), *auth],
-                                env=home_env(home), stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        _wait_ready(url, proc, log)
+    with serve_process(home, log, auth) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + READY_WITHIN
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"rewind serve exited with {proc.returncode}: {log.read_text()}")
-        with contextlib.suppress(httpx2.TransportError):
-            if httpx2.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"rewind serve did not answer within {READY_WITHIN} s: {log.read_text()}")

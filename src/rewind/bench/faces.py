@@ -9,15 +9,11 @@ on one machine that take turns to go first, so the guest's drift cancels out.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx2
 from anyio.from_thread import start_blocking_portal
 from mcp import Client, StdioServerParameters
 
@@ -25,53 +21,16 @@ from rewind.bench.model import Report
 from rewind.bench.ours import Progress, timed
 from rewind.home import Home
 from rewind.sandbox import Sandbox
+from rewind.serve.process import home_env, serve_process
 
 ADDED_TARGET_MS = 5.0  # what a face may add to a call on loopback
 CLI_TARGET_S = 0.15  # a CLI command's own cost, before it does anything
 
 
-def _env(home: Home) -> dict[str, str]:
-    return {**os.environ, "REWIND_HOME": str(home.root), "REWIND_IMAGES": str(home.images)}
-
-
-@contextlib.contextmanager
-def _daemon(home: Home) -> Iterator[str]:
-    """A `rewind serve --no-auth` on a free loopback port, ended by PID when done."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = home.root / "bench-serve.log"
-    with open(log, "wb") as err:
-        argv = [sys.executable, "-m", "rewind.cli", "serve", "--no-auth", "--port", str(port)]
-        proc = subprocess.Popen(argv, env=_env(home), stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rewind serve did not start: {log.read_text()[-500:]}")
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx2.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx2.TransportError:
-        return False
-
-
 @contextlib.contextmanager
 def _mcp(home: Home) -> Iterator[Callable[..., Any]]:
     """A blocking `call(tool, **args)` into a `rewind mcp` subprocess on stdio."""
-    env = {k: v for k, v in _env(home).items() if k.startswith(("REWIND_", "PYTHON"))}
+    env = {k: v for k, v in home_env(home).items() if k.startswith(("REWIND_", "PYTHON"))}
     params = StdioServerParameters(command=sys.executable, args=["-m", "rewind.cli", "mcp"], env=env)
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(Client(params)) as client:
         def call(tool: str, **args: Any) -> Any:
@@ -103,12 +62,11 @@ def run_faces(home: Home, report: Report, rounds: int, quick: bool, progress: Pr
         base = sbx.checkpoint(name="faces-base", wait=True)
 
         def settle() -> None:
-            """Between calls: a restore's background commit is not the next call's cost, and this
-            handle reads the record again (a restore by the daemon gave the machine a new QEMU)."""
+            """Between calls: a restore's background commit is not the next call's cost."""
             sbx._machine.engine.settle()
-            sbx._machine.reload()
         light, heavy = (10, 1) if quick else (40, rounds)
-        with _daemon(home) as url, Sandbox.connect(url) as remote, _mcp(home) as mcp:
+        with serve_process(home, home.root / "bench-serve.log", ["--no-auth"]) as url, \
+                Sandbox.connect(url) as remote, _mcp(home) as mcp:
             far = remote.get(sbx.name)
             # MCP's exec takes a shell string: the SDK runs the same one (bash in the guest costs).
             execs = {"http": (lambda: sbx.exec(["true"]), lambda: far.exec(["true"])),
@@ -134,8 +92,8 @@ def run_faces(home: Home, report: Report, rounds: int, quick: bool, progress: Pr
 def _cli(home: Home, sbx: Sandbox, report: Report, n: int) -> None:
     """A CLI command's own cost: `rewind --help`, and `rewind exec NAME -- true` over the SDK's exec."""
     def cli(*args: str) -> Callable[[], object]:
-        return lambda: subprocess.run([sys.executable, "-m", "rewind.cli", *args], env=_env(home), check=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return lambda: subprocess.run([sys.executable, "-m", "rewind.cli", *args], env=home_env(home),
+                                      check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     report.add("cli_help_s", "`rewind --help` (the CLI's imports and start)", "s",
                [timed(cli("--help")) for _ in range(max(3, n // 4))], target=CLI_TARGET_S)
     report.add("cli_exec_added_s", "`rewind exec NAME -- true`, over the SDK's exec", "s",
