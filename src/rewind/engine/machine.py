@@ -257,11 +257,9 @@ class Machine:
     @contextmanager
     def agent(self, connect_timeout: float = 30.0) -> Iterator[AgentClient]:
         """A session with the guest agent, on the first free agent port."""
-        self.reload()  # another handle may have restored it: a new QEMU
-        self.check_alive()
         what = f"machine {self.name!r}"
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
-            self.reload()
+            self.reload()  # another handle may have restored it: a new QEMU
             self.check_alive()
             ports = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
             with any_free_lock(ports, timeout=LOCK_TIMEOUT, what=what) as port, \
