@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+from pathlib import Path
+
+import pytest
 
 import rewind
 import rewind.errors
+from rewind.engine.machine import Engine
+from rewind.engine.qmp import Monitor, MonitorError
+from rewind.home import Home
 
 # Changing this list changes what users may import: do it on purpose.
 PUBLIC = [
@@ -58,3 +65,28 @@ def test_every_error_is_in_the_drawn_tree_under_a_class_it_derives_from() -> Non
     assert {cls.__name__ for cls in classes} == set(tree)
     for cls in classes:
         assert tree[cls.__name__] in {base.__name__ for base in cls.__mro__[1:]}, cls
+
+
+def test_errors_raised_from_another_keep_it_as_their_cause() -> None:
+    """`raise X(...) from None` would hide what went wrong underneath (as qemu.qmp keeps it)."""
+    hidden = []
+    for path in Path(rewind.__file__).parent.rglob("*.py"):
+        if "guest" in path.relative_to(Path(rewind.__file__).parent).parts:
+            continue  # the guest's agent answers over the wire; its causes do not cross it
+        for node in ast.walk(ast.parse(path.read_text())):
+            cause = getattr(node, "cause", None)
+            if isinstance(node, ast.Raise) and isinstance(cause, ast.Constant) and cause.value is None:
+                hidden.append(f"{path.name}:{node.lineno}")
+    assert hidden == []
+
+
+def test_a_damaged_record_and_an_absent_monitor_keep_their_causes(tmp_path: Path) -> None:
+    home = Home(root=tmp_path / "home", images=tmp_path / "images")
+    (home.machines / "m").mkdir(parents=True)
+    (home.machines / "m" / "machine.json").write_text("{not json")
+    with pytest.raises(rewind.errors.RewindError, match="damaged record") as caught:
+        Engine(home).get("m")
+    assert isinstance(caught.value.__cause__, ValueError)
+    with pytest.raises(MonitorError, match="cannot reach") as absent, Monitor(tmp_path / "x", timeout=0.1):
+        pass
+    assert isinstance(absent.value.__cause__, OSError)

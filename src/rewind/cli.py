@@ -368,7 +368,7 @@ def _source(source: str) -> str | CheckpointManifest:
         try:
             return CheckpointManifest.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError) as e:
-            raise InvalidArgument(f"{source} is not a checkpoint file ({e})") from None
+            raise InvalidArgument(f"{source} is not a checkpoint file ({e})") from e
     try:
         machine = Engine().get(source)
     except (InvalidArgument, NotFound):

@@ -72,8 +72,8 @@ def write_json(report: Report, path: Path) -> None:
 def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        raise InvalidArgument("plotting needs matplotlib: pip install 'rewind[bench]'") from None
+    except ImportError as e:
+        raise InvalidArgument("plotting needs matplotlib: pip install 'rewind[bench]'") from e
 
 
 def write_plot(report: Report, path: Path) -> None:

@@ -67,7 +67,7 @@ class AgentClient:
             self._sock = connect_unix(self._path, timeout=5.0)
         except OSError as e:
             self._alive()
-            raise AgentGone(f"cannot reach the guest agent: {e.strerror}") from None
+            raise AgentGone(f"cannot reach the guest agent: {e.strerror}") from e
         nonce = uuid.uuid4().hex
         deadline = time.monotonic() + self._connect_timeout
         retry = HELLO_RETRY_FIRST
@@ -101,7 +101,7 @@ class AgentClient:
             self._sock.sendall(encode(header, payload))
         except OSError as e:
             self._alive()
-            raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
+            raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from e
 
     def _request(self, header: dict) -> None:
         """Send the first frame of a new request."""
@@ -130,7 +130,7 @@ class AgentClient:
                 return None, b""
             except OSError as e:
                 self._alive()
-                raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from None
+                raise AgentGone(f"lost the connection to the guest agent: {e.strerror or e}") from e
             if not data:
                 # Only an exiting QEMU closes the channel: give it a moment to be seen as dead.
                 deadline = time.monotonic() + 3.0

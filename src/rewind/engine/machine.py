@@ -198,8 +198,8 @@ class Machine:
     def reload(self) -> None:
         try:
             self.record = MachineRecord.from_json(json.loads((self.path / RECORD).read_text()))
-        except FileNotFoundError:
-            raise NotFound(f"machine {self.name!r} no longer exists") from None
+        except FileNotFoundError as e:
+            raise NotFound(f"machine {self.name!r} no longer exists") from e
 
     def _save(self) -> None:
         """Write the record; the caller holds the machine lock exclusively (else see _update)."""
@@ -442,8 +442,8 @@ class Machine:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
                 self.reload()
                 return self._checkpoint(store, name, labels, history, live, start_first, held, context)
-        except Busy:
-            raise Busy(f"a checkpoint of machine {self.name!r} is already running") from None
+        except Busy as e:
+            raise Busy(f"a checkpoint of machine {self.name!r} is already running") from e
 
     def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
                     history: int, live: bool, start_first: bool, held: bool,
@@ -611,10 +611,10 @@ class Engine:
         path = self._path(name)
         try:
             record = MachineRecord.from_json(json.loads((path / RECORD).read_text()))
-        except FileNotFoundError:
-            raise NotFound(f"no machine named {name!r}") from None
+        except FileNotFoundError as e:
+            raise NotFound(f"no machine named {name!r}") from e
         except (ValueError, TypeError) as e:
-            raise RewindError(f"machine {name!r} has a damaged record ({e}); remove {path}") from None
+            raise RewindError(f"machine {name!r} has a damaged record ({e}); remove {path}") from e
         return Machine(self, path, record)
 
     def list(self, labels: dict[str, str] | None = None) -> list[Machine]:
@@ -783,8 +783,8 @@ class Engine:
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"):
             try:
                 path.mkdir()
-            except FileExistsError:
-                raise AlreadyExists(f"a machine named {name!r} already exists") from None
+            except FileExistsError as e:
+                raise AlreadyExists(f"a machine named {name!r} already exists") from e
         record = MachineRecord(
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
             image_id=image_id, hostname=_hostname(name), machine_id=uuid.uuid4().hex, mac=_new_mac(),

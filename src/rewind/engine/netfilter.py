@@ -291,7 +291,7 @@ def update(run_dir: Path, rules: NetworkRules) -> None:
             reply = json.loads(sock.makefile("rb").readline() or b"{}")
     except (OSError, ValueError) as e:
         raise RewindError(f"the network filter of {run_dir.name!r} is not answering ({e}); "
-                          f"its machine has no network until it is restarted") from None
+                          f"its machine has no network until it is restarted") from e
     if not reply.get("ok"):
         raise RewindError(f"the network filter refused the rules: {reply.get('error', 'no reason given')}")
 

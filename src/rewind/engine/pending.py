@@ -210,7 +210,7 @@ def load(path: Path) -> PendingCheckpoint:
         return PendingCheckpoint(**json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
         raise RewindError(f"the journal {path} is damaged ({e}); remove it to forget that "
-                          "checkpoint") from None
+                          "checkpoint") from e
 
 
 def captured(home: Home) -> list[PendingCheckpoint]:
@@ -317,7 +317,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "
-                                 f"stored: {e}") from None
+                                 f"stored: {e}") from e
             return
         cpu = _process_cpu() - cpu_before
         _forget(path, point)
@@ -344,7 +344,7 @@ def _write_out(point: PendingCheckpoint) -> None:
         with Monitor(Path(point.monitor)) as mon:
             write_out(mon, Path(point.ram), Path(point.devstate))
     except MonitorError as e:
-        raise StreamError(f"its stopped QEMU is gone: {e}") from None
+        raise StreamError(f"its stopped QEMU is gone: {e}") from e
 
 
 def end_qemu(point: PendingCheckpoint) -> None:

@@ -30,14 +30,14 @@ class Monitor:
         try:
             sock = connect_unix(self._path, timeout=self._timeout)
         except OSError as e:
-            raise MonitorError(f"cannot reach QEMU's monitor at {self._path}: {e.strerror}") from None
+            raise MonitorError(f"cannot reach QEMU's monitor at {self._path}: {e.strerror}") from e
         sock.settimeout(None)
         self._qmp = QEMUMonitorProtocol(sock)
         try:
             self._qmp.connect(negotiate=True)
         except (QMPError, OSError, EOFError) as e:
             self.close()
-            raise MonitorError(f"QEMU's monitor did not answer: {e}") from None
+            raise MonitorError(f"QEMU's monitor did not answer: {e}") from e
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -55,7 +55,7 @@ class Monitor:
         try:
             reply = self._qmp.cmd_raw(name, args or None)
         except (QMPError, OSError, EOFError) as e:
-            raise MonitorError(f"QMP {name} failed: {e or type(e).__name__}") from None
+            raise MonitorError(f"QMP {name} failed: {e or type(e).__name__}") from e
         if "error" in reply:
             raise MonitorError(f"QMP {name}: {reply['error'].get('desc', reply['error'])}")
         return reply.get("return")
@@ -66,7 +66,7 @@ class Monitor:
         try:
             self._qmp.send_fd_scm(fd)
         except (QMPError, OSError) as e:
-            raise MonitorError(f"cannot pass a file descriptor to QEMU: {e}") from None
+            raise MonitorError(f"cannot pass a file descriptor to QEMU: {e}") from e
         self.cmd("getfd", fdname=name)  # replaces one of that name an interrupted capture left
 
     def quit(self) -> None:
@@ -83,8 +83,8 @@ class Monitor:
             left = deadline - time.monotonic()
             try:
                 event = self._qmp.pull_event(wait=max(left, 0.001))
-            except TimeoutError:
-                raise MonitorError(f"QEMU sent no {name} event within {timeout:.0f} s") from None
+            except TimeoutError as e:
+                raise MonitorError(f"QEMU sent no {name} event within {timeout:.0f} s") from e
             if event and event.get("event") == name:
                 return event
 

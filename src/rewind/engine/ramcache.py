@@ -53,8 +53,8 @@ def budget(folder: Path) -> int:
     if forced:
         try:
             return max(0, int(forced)) << 20
-        except ValueError:
-            raise NoRoom(f"{BUDGET_ENV} must be a whole number of MiB (got {forced!r})") from None
+        except ValueError as e:
+            raise NoRoom(f"{BUDGET_ENV} must be a whole number of MiB (got {forced!r})") from e
     total = _fs(folder)[0]
     return min(DEFAULT_BUDGET_MIB << 20, total // 4)
 

@@ -100,8 +100,8 @@ def checked_command(command: object, what: str = "command") -> str:
     try:
         text = command.decode("utf-8") if isinstance(command, bytes) else command
         data = text.encode("utf-8")  # a str from undecodable bytes holds lone surrogates: refused here
-    except UnicodeError:
-        raise InvalidArgument(f"{what} is not valid UTF-8") from None
+    except UnicodeError as e:
+        raise InvalidArgument(f"{what} is not valid UTF-8") from e
     if len(data) > MAX_COMMAND_BYTES:
         raise InvalidArgument(f"{what} is {len(data)} bytes long; the limit is {MAX_COMMAND_BYTES} bytes")
     if not text.strip():

@@ -34,7 +34,7 @@ def _run(agent: AgentClient, action: str, folder: str) -> tuple[dict, float]:
     try:
         reply = agent.git(action, folder)
     except AgentError as e:
-        raise GitTierError(f"git tier could not {action} {folder}: {e}") from None
+        raise GitTierError(f"git tier could not {action} {folder}: {e}") from e
     return reply, time.monotonic() - started
 
 

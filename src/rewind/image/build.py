@@ -99,7 +99,7 @@ class Image:
             image = cls(path=path, id=meta["id"], kernel_version=meta["kernel_version"],
                         created=meta["created"], disk_size_mib=meta["disk_size_mib"])
         except (OSError, ValueError, KeyError) as e:
-            raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from None
+            raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from e
         for f in (image.kernel, image.initrd, image.disk):
             if not f.is_file() or f.stat().st_size == 0:
                 raise ImageError(f"image at {path} is damaged: {f.name} is missing or empty; "
@@ -174,8 +174,8 @@ Report = Callable[[str], None]
 def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
-    except FileNotFoundError:
-        raise ImageError(f"{what}: `{cmd[0]}` is not installed") from None
+    except FileNotFoundError as e:
+        raise ImageError(f"{what}: `{cmd[0]}` is not installed") from e
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ImageError(f"{what} failed: {' / '.join(tail)}")

@@ -83,7 +83,7 @@ class ExecBody(BaseModel):
             try:
                 args["stdin"] = base64.b64decode(self.stdin_base64, validate=True)
             except binascii.Error as e:
-                raise InvalidArgument(f"stdin_base64 is not base64: {e}") from None
+                raise InvalidArgument(f"stdin_base64 is not base64: {e}") from e
         return args
 
 
@@ -505,7 +505,7 @@ def read_token(token_file: str | None, no_auth: bool, host: str) -> str | None:
     try:
         token = Path(token_file).read_text().strip()
     except OSError as e:
-        raise InvalidArgument(f"cannot read the token file {token_file}: {e.strerror}") from None
+        raise InvalidArgument(f"cannot read the token file {token_file}: {e.strerror}") from e
     if not token:
         raise InvalidArgument(f"the token file {token_file} is empty")
     return token
@@ -533,7 +533,7 @@ def serve(service: Service, host: str, port: int, token: str | None) -> None:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from e
     bound = sock.getsockname()[1]  # --port 0 picks a free one: say which
     print(f"rewind: serving on http://{host}:{bound} (MCP at /mcp; "
           f"{'no token' if token is None else 'bearer token required'})", file=sys.stderr, flush=True)

@@ -177,7 +177,7 @@ def build_server(service: Service) -> MCPServer:
         try:
             data = text.encode() if text is not None else base64.b64decode(base64_data or "", validate=True)
         except binascii.Error as e:
-            raise InvalidArgument(f"base64_data is not base64: {e}") from None
+            raise InvalidArgument(f"base64_data is not base64: {e}") from e
         service.write_file(name, path, data, mode)
         return {"path": path, "size": len(data)}
 

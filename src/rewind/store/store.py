@@ -368,9 +368,9 @@ class Store:
             manifest = self.get(ref)
             try:
                 self._manifest_path(manifest.id).unlink()
-            except FileNotFoundError:
+            except FileNotFoundError as e:
                 raise UnknownCheckpoint(f"checkpoint {manifest.id[:12]} has no manifest of its own to "
-                                        "delete: it lives on only in the history of later ones") from None
+                                        "delete: it lives on only in the history of later ones") from e
             fsync_dir(self.root / "checkpoints")
         return manifest
 
@@ -419,8 +419,8 @@ class Store:
         """A chunk's file as stored (compressed)."""
         try:
             return self._chunk_path(h).read_bytes()
-        except FileNotFoundError:
-            raise CorruptChunk(f"chunk {h} is missing from the store") from None
+        except FileNotFoundError as e:
+            raise CorruptChunk(f"chunk {h} is missing from the store") from e
         except OSError as e:
             raise CorruptChunk(f"chunk {h} cannot be read: {e.strerror}") from e
 
@@ -436,8 +436,8 @@ class Store:
     def _load_manifest(self, path: Path) -> CheckpointManifest:
         try:
             manifest = CheckpointManifest.from_json(json.loads(path.read_bytes()))
-        except FileNotFoundError:
-            raise UnknownCheckpoint(f"checkpoint {path.stem[:12]} was deleted meanwhile") from None
+        except FileNotFoundError as e:
+            raise UnknownCheckpoint(f"checkpoint {path.stem[:12]} was deleted meanwhile") from e
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise StoreError(f"checkpoint file {path.name} is damaged: {e}") from e
         if manifest.id != path.stem:
