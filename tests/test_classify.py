@@ -16,8 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rewind.errors import InvalidArgument
-from rewind.guard import Decision, Kind, classify
-from rewind.guard.classify import MAX_COMMAND_BYTES
+from rewind.guard.classify import MAX_COMMAND_BYTES, Decision, Kind, classify
 
 # shared/ lies beside the repository, on a developer's machine as in CI
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "commands.tsv"

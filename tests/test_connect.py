@@ -37,6 +37,7 @@ from test_files import (  # noqa: F401  (not its 100 MB test: see test_upload_an
     test_upload_of_a_missing_host_file_is_refused,
     test_write_then_read_text_and_binary,
 )
+from test_machines import test_labels_are_added_changed_and_removed  # noqa: F401
 
 from rewind import AlreadyExists, Checkpoint, Home, NotFound, Refused, RewindError, Sandbox, try_in_copy
 from rewind.serve.client import Remote, RemoteSandbox

@@ -9,7 +9,17 @@ import time
 
 import pytest
 
-from rewind import AgentGone, Busy, Home, ImageError, MachineDied, MachineNotRunning, NotFound, Sandbox
+from rewind import (
+    AgentGone,
+    Busy,
+    Home,
+    ImageError,
+    InvalidArgument,
+    MachineDied,
+    MachineNotRunning,
+    NotFound,
+    Sandbox,
+)
 from rewind.engine import machine as machine_module
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import process_alive
@@ -52,6 +62,17 @@ def test_labels_and_list(home: Home) -> None:
     assert [s.name for s in Sandbox.list(home=home)] == ["one", "two"]
     assert [s.name for s in Sandbox.list({"team": "b"}, home=home)] == ["two"]
     assert Sandbox.get("one", home=home).labels == {"team": "a"}
+
+
+def test_labels_are_added_changed_and_removed(sbx: Sandbox) -> None:
+    """Also run through the daemon (test_connect)."""
+    before = sbx.labels
+    assert sbx.set_labels({"stage": "draft", "owner": "me"}) == {**before, "stage": "draft", "owner": "me"}
+    assert sbx.set_labels({"stage": "final", "owner": None}) == {**before, "stage": "final"}
+    assert sbx.labels == {**before, "stage": "final"}
+    with pytest.raises(InvalidArgument, match="label key"):
+        sbx.set_labels({"bad key": "x"})
+    assert sbx.set_labels({"stage": None}) == before
 
 
 def test_memory_cpus_and_disk_are_settable(home: Home) -> None:

@@ -341,7 +341,7 @@ def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str]) -> tuple[
     import dns.rcode
     import dpkt
 
-    from rewind.engine.netfilter import Filter
+    from rewind.engine.packetfilter import Filter
 
     async def resolve(_name: str) -> list[str]:
         return resolves_to

@@ -4,6 +4,7 @@ Idempotency-Key, problem+json errors, MCP at /mcp, and the CLI's refusals."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import time
@@ -232,3 +233,40 @@ def test_the_cli_refuses_bad_setups_in_one_line(tmp_path: Path) -> None:
             err = r.stderr.decode()
             assert r.returncode == 1 and message in err and len(err.strip().splitlines()) == 1, (args, err)
             assert "Traceback" not in err
+
+
+def test_labels_are_a_merge_patch(http: httpx2.Client, machine: str) -> None:
+    r = http.patch(f"/machines/{machine}/labels", json={"stage": "draft"})
+    assert r.status_code == 200 and r.json() == {"via": "http", "stage": "draft"}
+    assert http.patch(f"/machines/{machine}/labels", json={"stage": None}).json() == {"via": "http"}
+    _problem(http.patch(f"/machines/{machine}/labels", json={"bad key": "x"}), 400, "InvalidArgument")
+    assert http.get(f"/machines/{machine}").json()["labels"] == {"via": "http"}
+
+
+def test_the_cli_uses_the_daemon_at_rewind_url(url: str, machine: str, tmp_path: Path) -> None:
+    # An empty home of its own: anything the CLI did on this host would find no machine.
+    env = {"REWIND_URL": url, "REWIND_TOKEN": TOKEN, "REWIND_HOME": str(tmp_path / "elsewhere")}
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        r = rewind_cli(*args, env=env)
+        return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+    code, out, _ = cli("ls", "--json")
+    assert code == 0 and machine in [m["name"] for m in json.loads(out)]
+    assert cli("exec", machine, "--", "sh", "-c", "echo out; echo err >&2; exit 3") == (3, "out\n", "err\n")
+    code, out, _ = cli("label", machine, "cli=yes", "--json")
+    assert code == 0 and json.loads(out)["cli"] == "yes"
+    code, out, _ = cli("checkpoint", machine, "--name", "via-cli", "--json")
+    assert code == 0 and json.loads(out)["name"] == "via-cli"
+    assert cli("exec", machine, "--", "rm", "-f", "/etc/hostname")[0] == 0
+    code, out, _ = cli("log", machine, "--json")
+    assert code == 0 and json.loads(out)[0]["name"] == "via-cli"
+    assert cli("restore", machine, "via-cli")[0] == 0
+    assert cli("exec", machine, "--", "test", "-f", "/etc/hostname")[0] == 0
+    assert cli("label", machine, "--remove", "cli")[0] == 0
+    for args, message in [(("gc",), "works on this host's store only"),
+                          (("exec", "no-such", "--", "true"), "no machine named 'no-such'")]:
+        code, _, err = cli(*args)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    r = rewind_cli("ls", env={**env, "REWIND_TOKEN": "wrong"})
+    assert r.returncode == 1 and len(r.stderr.decode().strip().splitlines()) == 1, r.stderr

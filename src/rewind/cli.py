@@ -2,6 +2,12 @@
 
 Every verb that reports something takes --json. Errors are one line on
 stderr and a non-zero exit (1 for rewind's errors, 2 for bad usage).
+
+With REWIND_URL set, the verbs that act on machines and checkpoints go to that
+`rewind serve` daemon (REWIND_TOKEN is its token); the others run on this host.
+
+Each verb imports what it uses: `rewind exec` then starts in about 0.13 s, where
+importing everything up front cost 0.4 s (measured on the 2-core host).
 """
 
 from __future__ import annotations
@@ -17,24 +23,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from rewind.engine import pending, ramcache
-from rewind.engine.checkpoint import Caches
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
-from rewind.engine.qemu import QEMU_BINARY
-from rewind.engine.template import find_template
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
-from rewind.guard.classify import classify as classify_command
-from rewind.image import build_image, find_image, import_image, list_images, recipe_id
-from rewind.sandbox import Checkpoint, Sandbox, history_of, open_store, try_in_copy
-from rewind.store import CheckpointManifest, Store, export_checkpoint, import_checkpoint
+from rewind.store.model import DEFAULT_HISTORY
 
-err_console = Console(stderr=True)
+if TYPE_CHECKING:
+    from rewind.sandbox import Checkpoint, Sandbox
+    from rewind.serve.client import Remote, RemoteSandbox
+    from rewind.store import CheckpointManifest, Store
+
 _SIZE = re.compile(r"(\d+)\s*([MG]i?B?)?", re.IGNORECASE)
 
 
@@ -67,12 +68,41 @@ def progress(enabled: bool) -> Iterator[Callable[[str], None]]:
     if not enabled:
         yield lambda _: None
         return
+    from rich.console import Console
+
+    console = Console(stderr=True)
     started = time.monotonic()
-    with err_console.status("working...") as status:
+    with console.status("working...") as status:
         def report(step: str) -> None:
-            err_console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {step}")
+            console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {step}")
             status.update(step)
         yield report
+
+
+def _remote() -> Remote | None:
+    """The daemon at $REWIND_URL, if one is set: verbs on machines and checkpoints go there."""
+    if not os.environ.get("REWIND_URL"):
+        return None
+    from rewind.serve.client import Remote
+
+    return Remote()
+
+
+def _sandbox(name: str, store_dir: str | None = None) -> Sandbox | RemoteSandbox:
+    """Machine NAME: through the daemon at $REWIND_URL if set, else on this host."""
+    remote = _remote()
+    if remote is None:
+        from rewind.sandbox import Sandbox
+
+        return Sandbox.get(name, store=store_dir)
+    if store_dir is not None:
+        raise InvalidArgument("--store names a store on this host; unset REWIND_URL to use it")
+    return remote.get(name)
+
+
+def _local_only(what: str) -> None:
+    if os.environ.get("REWIND_URL"):
+        raise InvalidArgument(f"{what} works on this host's store only; unset REWIND_URL to use it")
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -102,17 +132,20 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
           image_name: str | None, internet: bool, allow: tuple[str, ...], deny: tuple[str, ...],
           as_json: bool) -> None:
     """Start machine NAME: a new one, or a stopped one again."""
-    engine = Engine()
-    existing = {m.name for m in engine.list()}
+    from rewind.sandbox import Sandbox
+
+    remote = _remote()
+    maker: Sandbox | Remote = Sandbox if remote is None else remote  # type: ignore[assignment]
+    existing = {m.name for m in (Engine().list() if remote is None else remote.list())}
     with progress(not as_json) as report:
         if name in existing:
-            sbx = Sandbox.get(name)
+            sbx = _sandbox(name)
             sbx.start(report)
         else:
-            sbx = Sandbox.create(name, memory=parse_mib(memory), cpus=cpus,
-                                 disk=parse_mib(disk) if disk else 0, image=image_name,
-                                 labels=parse_pairs(labels, "--label"), progress=report,
-                                 network={"internet": internet, "allow": list(allow), "deny": list(deny)})
+            sbx = maker.create(name, memory=parse_mib(memory), cpus=cpus,
+                               disk=parse_mib(disk) if disk else 0, image=image_name,
+                               labels=parse_pairs(labels, "--label"), progress=report,
+                               network={"internet": internet, "allow": list(allow), "deny": list(deny)})
     info = sbx.info()
     if as_json:
         emit_json(dataclasses.asdict(info))
@@ -159,19 +192,19 @@ def exec_(name: str, command: tuple[str, ...], cwd: str | None, envs: tuple[str,
         sys.stderr.write(text)
         sys.stderr.flush()
 
-    result = Sandbox.get(name).exec(cmd, cwd=cwd, env=parse_pairs(envs, "--env"), timeout=timeout,
+    result = _sandbox(name).exec(cmd, cwd=cwd, env=parse_pairs(envs, "--env"), timeout=timeout,
                                     stdin=stdin, on_stdout=None if as_json else out,
                                     on_stderr=None if as_json else err)
     if as_json:
         emit_json(dataclasses.asdict(result))
     elif result.timed_out:
-        err_console.print(f"rewind: the command timed out after {timeout:g} s and was killed")
+        click.echo(f"rewind: the command timed out after {timeout:g} s and was killed", err=True)
     sys.exit(result.exit_code)
 
 
 def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | None, verify: str | None,
                   allow_external: bool, offline: bool, as_json: bool) -> None:
-    done = Sandbox.get(name).guarded(command, verify=verify, allow_external=allow_external, cwd=cwd,
+    done = _sandbox(name).guarded(command, verify=verify, allow_external=allow_external, cwd=cwd,
                                      timeout=timeout, offline=offline)
     if as_json:
         emit_json(done.to_json())
@@ -180,7 +213,7 @@ def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | 
             if result is not None:
                 sys.stdout.write(result.stdout)
                 sys.stderr.write(result.stderr)
-        err_console.print(f"rewind: {done.kind} -> {done.path}: {done.note} ({done.seconds:.2f} s)")
+        click.echo(f"rewind: {done.kind} -> {done.path}: {done.note} ({done.seconds:.2f} s)", err=True)
     sys.exit(0 if done.ok else (done.result.exit_code or 1) if done.result else 1)
 
 
@@ -190,7 +223,11 @@ def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | 
 @json_option
 def classify(command: tuple[str, ...], cwd: str | None, as_json: bool) -> None:
     """Say what undo COMMAND needs: none, git, fork or external (`rewind classify -- CMD`)."""
-    decision = classify_command(" ".join(command), cwd=cwd)
+    from rewind.guard.classify import classify as classify_command
+
+    remote = _remote()
+    text = " ".join(command)
+    decision = classify_command(text, cwd=cwd) if remote is None else remote.classify(text, cwd)
     if as_json:
         emit_json(decision.to_json())
     else:
@@ -211,13 +248,15 @@ def classify(command: tuple[str, ...], cwd: str | None, as_json: bool) -> None:
 def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd: str | None, timeout: float,
          store_dir: str | None, as_json: bool) -> None:
     """Run STEP in a live copy of machine NAME and keep the copy only if it (and --verify) pass."""
-    outcome = try_in_copy(Sandbox.get(name, store=store_dir), " ".join(step), verify, offline=not online,
+    from rewind.sandbox import try_in_copy
+
+    outcome = try_in_copy(_sandbox(name, store_dir), " ".join(step), verify, offline=not online,
                           cwd=cwd, timeout=timeout)
     if as_json:
         emit_json(outcome.to_json())
     else:
         sys.stdout.write(outcome.log)
-        err_console.print(f"rewind: {outcome.reason} ({outcome.seconds:.2f} s)")
+        click.echo(f"rewind: {outcome.reason} ({outcome.seconds:.2f} s)", err=True)
     sys.exit(0 if outcome.passed else 1)
 
 
@@ -231,7 +270,7 @@ def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd
 def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...], deny: tuple[str, ...],
             as_json: bool) -> None:
     """Show or change machine NAME's network rules (enforced on the host)."""
-    net = Sandbox.get(name).network
+    net = _sandbox(name).network
     if off and (internet is not None or allow or deny):
         raise InvalidArgument("--off cannot be combined with other rules")
     if off:
@@ -264,7 +303,9 @@ def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...],
 def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str | None,
           markdown_path: str | None) -> None:
     """Measure what each step costs, beside plain QEMU and gVisor, and print one table."""
-    from rewind.bench import output, run  # the benchmark's imports are heavy: only for this verb
+    from rich.console import Console
+
+    from rewind.bench import output, run
 
     plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
     for path in (json_path, plot, markdown_path):  # fail now, not after minutes of measuring
@@ -303,10 +344,10 @@ def cp(source: str, dest: str, as_json: bool) -> None:
         raise InvalidArgument("exactly one of SOURCE and DEST must be NAME:/absolute/path")
     started = time.monotonic()
     if dst_remote:
-        Sandbox.get(dst_remote[0]).files.upload(source, dst_remote[1])
+        _sandbox(dst_remote[0]).files.upload(source, dst_remote[1])
     else:
         assert src_remote
-        Sandbox.get(src_remote[0]).files.download(src_remote[1], dest)
+        _sandbox(src_remote[0]).files.download(src_remote[1], dest)
     if as_json:
         emit_json({"source": source, "dest": dest, "seconds": round(time.monotonic() - started, 3)})
 
@@ -316,10 +357,14 @@ def cp(source: str, dest: str, as_json: bool) -> None:
 @json_option
 def ls(labels: tuple[str, ...], as_json: bool) -> None:
     """List machines and their status (running, stopped, dead)."""
-    infos = [m.info() for m in Engine().list(parse_pairs(labels, "--label"))]
+    remote, wanted = _remote(), parse_pairs(labels, "--label")
+    infos = [m.info() for m in (Engine().list(wanted) if remote is None else remote.list(wanted))]
     if as_json:
         emit_json([dataclasses.asdict(i) for i in infos])
         return
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(box=None)
     for column in ("NAME", "STATUS", "MEMORY", "CPUS", "PID", "LABELS"):
         table.add_column(column)
@@ -332,10 +377,27 @@ def ls(labels: tuple[str, ...], as_json: bool) -> None:
 
 @cli.command()
 @click.argument("name")
+@click.argument("pairs", nargs=-1)
+@click.option("--remove", "removed", multiple=True, help="A label KEY to remove; repeatable.")
+@json_option
+def label(name: str, pairs: tuple[str, ...], removed: tuple[str, ...], as_json: bool) -> None:
+    """Show machine NAME's labels, or add and change them (KEY=VALUE ...) and --remove KEY."""
+    sbx = _sandbox(name)
+    labels = sbx.set_labels({**parse_pairs(pairs, "a label"), **dict.fromkeys(removed)}) \
+        if pairs or removed else sbx.labels
+    if as_json:
+        emit_json(labels)
+    else:
+        for key, value in labels.items():
+            click.echo(f"{key}={value}")
+
+
+@cli.command()
+@click.argument("name")
 @json_option
 def stop(name: str, as_json: bool) -> None:
     """Stop machine NAME (its disk is kept)."""
-    Sandbox.get(name).stop()
+    _sandbox(name).stop()
     if as_json:
         emit_json({"name": name, "status": "stopped"})
 
@@ -346,7 +408,7 @@ def stop(name: str, as_json: bool) -> None:
 def rm(names: tuple[str, ...], as_json: bool) -> None:
     """Delete machines: stop them and remove all they had."""
     for name in names:
-        Sandbox.get(name).delete()
+        _sandbox(name).delete()
     if as_json:
         emit_json({"removed": list(names)})
 
@@ -356,6 +418,8 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
 
 def _store(store_dir: str | None) -> Store:
     """The store, with every checkpoint still being stored in it (see engine/pending.py)."""
+    from rewind.sandbox import open_store
+
     engine = Engine()
     engine.settle()
     return open_store(engine.home, store_dir)
@@ -363,6 +427,9 @@ def _store(store_dir: str | None) -> Store:
 
 def _source(source: str) -> str | CheckpointManifest:
     """A checkpoint file (-o) read, a machine's last point, or a checkpoint reference as given."""
+    from rewind.engine import pending
+    from rewind.store import CheckpointManifest
+
     path = Path(source)
     if path.is_file():
         try:
@@ -382,7 +449,7 @@ def _source(source: str) -> str | CheckpointManifest:
 def _point(store: Store, source: str) -> CheckpointManifest:
     """The stored checkpoint a file (-o), a machine (its last point) or a reference names."""
     found = _source(source)
-    return found if isinstance(found, CheckpointManifest) else store.get(found)
+    return found if not isinstance(found, str) else store.get(found)
 
 
 def _checkpoint_json(c: Checkpoint) -> dict:
@@ -390,6 +457,9 @@ def _checkpoint_json(c: Checkpoint) -> dict:
 
 
 def _print_points(points: list[Checkpoint]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(box=None)
     for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "LABELS"):
         table.add_column(column)
@@ -406,7 +476,7 @@ def _print_points(points: list[Checkpoint]) -> None:
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Also write the checkpoint (its index and history) to this file.")
-@click.option("--history", default=32, show_default=True, type=click.IntRange(min=0),
+@click.option("--history", default=DEFAULT_HISTORY, show_default=True, type=click.IntRange(min=0),
               help="Earlier points kept inside the checkpoint.")
 @click.option("--wait", is_flag=True,
               help="Return once it is in the store, not once it is captured.")
@@ -416,8 +486,11 @@ def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], outpu
                wait: bool, store_dir: str | None, as_json: bool) -> None:
     """Save machine NAME whole (memory, processes, disk) as of now; it runs on."""
     started = time.monotonic()
-    sbx = Sandbox.get(name, store=store_dir)
-    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), history=history, wait=wait)
+    sbx = _sandbox(name, store_dir)
+    if output or history != DEFAULT_HISTORY:
+        _local_only("--output and --history")
+    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), wait=wait,
+                           **({"history": history} if history != DEFAULT_HISTORY else {}))
     captured = round(time.monotonic() - started, 3)
     if output:
         manifest = _store(store_dir).get(point.id)
@@ -441,7 +514,12 @@ def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], outpu
 @json_option
 def log_(source: str, store_dir: str | None, as_json: bool) -> None:
     """History of a machine or a checkpoint file, newest first (~0, ~1, ...)."""
-    points = history_of(_point(_store(store_dir), source))
+    from rewind.sandbox import history_of
+
+    if _remote() is not None and not Path(source).is_file():
+        points = _sandbox(source, store_dir).history()
+    else:
+        points = history_of(_point(_store(store_dir), source))
     if as_json:
         emit_json([_checkpoint_json(c) for c in points])
     else:
@@ -455,7 +533,7 @@ def log_(source: str, store_dir: str | None, as_json: bool) -> None:
 @json_option
 def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
     """Put machine NAME back to checkpoint REF (~N, an id prefix or a name), in place."""
-    point = Sandbox.get(name, store=store_dir).restore(ref)
+    point = _sandbox(name, store_dir).restore(ref)
     if as_json:
         emit_json(_checkpoint_json(point))
     else:
@@ -472,13 +550,19 @@ def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
 def create(name: str, source: str, at: str | None, labels: tuple[str, ...], store_dir: str | None,
            as_json: bool) -> None:
     """Start a new machine NAME from a checkpoint."""
-    engine = Engine()  # a point not yet stored runs from its capture: no settle here
-    machine = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
-                                 labels=parse_pairs(labels, "--label"), at=at)
-    if as_json:
-        emit_json(dataclasses.asdict(machine.info()))
+    from rewind.sandbox import open_store
+
+    remote, wanted = _remote(), parse_pairs(labels, "--label")
+    if remote is not None and not Path(source).is_file():
+        info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
-        click.echo(f"{name} is running from checkpoint {machine.record.parent[:12]}")
+        engine = Engine()  # a point not yet stored runs from its capture: no settle here
+        info = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
+                                  labels=wanted, at=at).info()
+    if as_json:
+        emit_json(dataclasses.asdict(info))
+    else:
+        click.echo(f"{name} is running from {source}{f' at {at}' if at else ''}")
 
 
 @cli.command()
@@ -490,9 +574,13 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
 @json_option
 def branch(source: str, name: str, count: int, store_dir: str | None, as_json: bool) -> None:
     """Copy running machine SOURCE as NAME: it pauses only briefly; each copy runs on its own."""
-    engine = Engine()
     names: list[str | None] = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
-    made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
+    remote = _remote()
+    if remote is None:
+        engine = Engine()
+        made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
+    else:
+        made = [child.info() for child in remote.get(source).fork_many(names=names)]
     if as_json:
         emit_json([dataclasses.asdict(i) for i in made])
     else:
@@ -505,7 +593,11 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
 @json_option
 def checkpoints(store_dir: str | None, as_json: bool) -> None:
     """Every checkpoint in the store, oldest first."""
-    points = [Checkpoint.of(m, ref="") for m in _store(store_dir).list()]
+    from rewind.sandbox import Checkpoint
+
+    remote = _remote()
+    points = [Checkpoint.of(m, ref="") for m in _store(store_dir).list()] if remote is None \
+        else remote.checkpoints()
     if as_json:
         emit_json([_checkpoint_json(c) for c in points])
     else:
@@ -521,6 +613,7 @@ def prune(keep_last: int | None, keep_days: float | None, store_dir: str | None,
     """Drop checkpoints past the limits (then `rewind gc` frees their data)."""
     if keep_last is None and keep_days is None:
         raise InvalidArgument("say what to keep: --keep-last N and/or --keep-days D")
+    _local_only("prune")
     removed = _store(store_dir).prune(keep_last=keep_last, keep_days=keep_days)
     if as_json:
         emit_json({"removed": removed})
@@ -533,6 +626,7 @@ def prune(keep_last: int | None, keep_days: float | None, store_dir: str | None,
 @json_option
 def gc(store_dir: str | None, as_json: bool) -> None:
     """Remove data no checkpoint references."""
+    _local_only("gc")
     report = _store(store_dir).gc()
     if as_json:
         emit_json(dataclasses.asdict(report))
@@ -552,6 +646,7 @@ def store_group() -> None:
 @json_option
 def store_check(read_data: bool, store_dir: str | None, as_json: bool) -> None:
     """Verify every checkpoint's index (and with --read-data, every chunk)."""
+    _local_only("store check")
     report = _store(store_dir).check(read_data=read_data)
     if as_json:
         emit_json({**dataclasses.asdict(report), "ok": report.ok})
@@ -571,6 +666,9 @@ def store_check(read_data: bool, store_dir: str | None, as_json: bool) -> None:
 @json_option
 def export_(ref: str, file: str, store_dir: str | None, as_json: bool) -> None:
     """Write checkpoint REF (a checkpoint or a machine's last point) to one portable FILE."""
+    from rewind.store import export_checkpoint
+
+    _local_only("export")
     store = _store(store_dir)
     manifest = export_checkpoint(store, _point(store, ref), file)
     if as_json:
@@ -585,6 +683,9 @@ def export_(ref: str, file: str, store_dir: str | None, as_json: bool) -> None:
 @json_option
 def import_(file: str, store_dir: str | None, as_json: bool) -> None:
     """Add a checkpoint exported by `rewind export` (checksum verified first)."""
+    from rewind.store import import_checkpoint
+
+    _local_only("import")
     manifest = import_checkpoint(_store(store_dir), file)
     if as_json:
         emit_json({"id": manifest.id, "name": manifest.name})
@@ -603,6 +704,8 @@ def image() -> None:
 @json_option
 def image_build(force: bool, as_json: bool) -> None:
     """Build the default guest image (Debian packages) and its booted template."""
+    from rewind.image import build_image
+
     engine = Engine()
     started = time.monotonic()
     with progress(not as_json) as report:
@@ -630,6 +733,8 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) 
     The guest must mount /dev/vda as its root and run rewind's guest agent as root
     (see the README); the default image shows how.
     """
+    from rewind.image import import_image
+
     imported = import_image(Engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
     if as_json:
         emit_json({"id": imported.id, "path": str(imported.path), "disk_size_mib": imported.disk_size_mib})
@@ -641,6 +746,8 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) 
 @json_option
 def image_ls(as_json: bool) -> None:
     """List images; the default one is the built recipe's."""
+    from rewind.image import list_images, recipe_id
+
     default = recipe_id()
     rows = [{"id": i.id, "default": i.id == default, "kernel": i.kernel_version,
              "disk_size_mib": i.disk_size_mib, "path": str(i.path)}
@@ -681,6 +788,12 @@ def mcp(store_dir: str | None) -> None:
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""
+    from rewind.engine import ramcache
+    from rewind.engine.checkpoint import Caches
+    from rewind.engine.qemu import QEMU_BINARY
+    from rewind.engine.template import find_template
+    from rewind.image import find_image, recipe_id
+
     engine = Engine()
     qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
     report: dict[str, Any] = {
@@ -714,6 +827,9 @@ def doctor(as_json: bool) -> None:
 @click.option("--keep", is_flag=True, help="Leave the demo machine running afterwards.")
 def demo(keep: bool) -> None:
     """Start a machine, break it, and take it back: what rewind is for, in a minute."""
+    from rewind.image import build_image
+    from rewind.sandbox import Sandbox
+
     engine = Engine()
     with progress(True) as report:
         build_image(engine.home.images, report=report)
@@ -739,6 +855,8 @@ _DEMO_ASK = ("python3 -c 'import socket; "
 
 
 def _demo_steps(sbx: Sandbox) -> None:
+    from rewind.sandbox import try_in_copy
+
     def say(text: str) -> None:
         click.echo(click.style(f"\n# {text}", fg="cyan"))
 
@@ -783,7 +901,7 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        err_console.print("rewind: interrupted")
+        click.echo("rewind: interrupted", err=True)
         sys.exit(130)
     except click.ClickException as e:
         click.echo(f"rewind: error: {e.format_message()}", err=True)
@@ -800,7 +918,7 @@ def main() -> None:
         click.echo(f"rewind: internal error: {type(e).__name__}: {e} (REWIND_DEBUG=1 shows where)", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        err_console.print("rewind: interrupted")
+        click.echo("rewind: interrupted", err=True)
         sys.exit(130)
 
 

@@ -16,21 +16,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import pending
 from rewind.engine.agent import ExecResult
-from rewind.engine.checkpoint import HISTORY
 from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
-from rewind.engine.points import Point
 from rewind.errors import CommandFailed, InvalidArgument
-from rewind.guard.guarded import GuardedResult, guarded
-from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
+from rewind.guard.trial import DEFAULT_TIMEOUT
 from rewind.guard.trial import try_in_copy as _try_in_copy
 from rewind.home import Home
-from rewind.store import CheckpointManifest, HistoryEntry, Store
+from rewind.store.model import DEFAULT_HISTORY
 
+# The store, the guard's classifier and the checkpoint machinery are imported where they
+# are used, as in engine/machine.py: exec through a new process (the CLI) starts sooner.
 if TYPE_CHECKING:
+    from rewind.engine.points import Point
+    from rewind.guard.guarded import GuardedResult
+    from rewind.guard.trial import Outcome
     from rewind.serve.client import Remote, RemoteSandbox
+    from rewind.store import CheckpointManifest, HistoryEntry, Store
 
 __all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "try_in_copy"]
 
@@ -59,7 +61,7 @@ class Checkpoint:
 
 def check_context(context: object) -> None:
     """A checkpoint's context is text, small enough to be copied into the history its
-    descendants keep (up to HISTORY of them)."""
+    descendants keep (up to DEFAULT_HISTORY of them)."""
     if context is None:
         return
     if not isinstance(context, str):
@@ -77,6 +79,8 @@ def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
 
 
 def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
+    from rewind.store import Store
+
     return Store.open(store or home.store, create=True)
 
 Command = str | list[str]
@@ -193,6 +197,10 @@ class Sandbox:
     def labels(self) -> dict[str, str]:
         return dict(self._machine.record.labels)
 
+    def set_labels(self, changes: dict[str, str | None]) -> dict[str, str]:
+        """Add or change labels; a None value removes one. Returns the labels it has now."""
+        return self._machine.set_labels(changes)
+
     @property
     def status(self) -> str:
         """running, stopped, or dead (its QEMU exited without being asked to)."""
@@ -237,6 +245,8 @@ class Sandbox:
         commands acting outside the machine are refused unless `allow_external` (then the
         machine is checkpointed first). `verify` is a check that must pass too. The result
         says which path was taken."""
+        from rewind.guard.guarded import guarded
+
         if not isinstance(cmd, str):
             raise InvalidArgument("a guarded command must be a shell command string")
         return guarded(self._machine.engine, self._machine, self._store, cmd, verify=verify,
@@ -245,7 +255,8 @@ class Sandbox:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = HISTORY, wait: bool = False, context: str | None = None) -> Checkpoint:
+                   history: int = DEFAULT_HISTORY, wait: bool = False,
+                   context: str | None = None) -> Checkpoint:
         """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
         records as its parent the point this machine was last saved to or restored from.
 
@@ -256,6 +267,8 @@ class Sandbox:
         `context` is the caller's own state at this point (the conversation so far, a plan):
         text of up to 64 KiB, kept with the point, exported with it, and given back by
         history() and restore()."""
+        from rewind.engine.points import Point
+
         check_context(context)
         store = self._store
         point = self._machine.checkpoint(store, name=name, labels=labels, history=history, context=context)
@@ -267,6 +280,8 @@ class Sandbox:
 
     def history(self) -> list[Checkpoint]:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""
+        from rewind.engine import pending
+
         engine = self._machine.engine
         engine.settle()
         self._machine.reload()
@@ -283,10 +298,21 @@ class Sandbox:
              network: dict | None = None) -> Sandbox:
         """A live copy of this machine from this moment, with its own name and identity.
         It has this machine's network rules unless `network` gives others (from its first packet)."""
+        [child] = self.fork_many(names=[name], labels=labels, network=network)
+        return child
+
+    def fork_many(self, count: int = 1, *, names: list[str | None] | None = None,
+                  labels: dict[str, str] | None = None, network: dict | None = None) -> list[Sandbox]:
+        """`count` live copies from one capture (or one per name in `names`): the machine
+        pauses once however many there are."""
+        if names is None:
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise InvalidArgument(f"count must be a whole number of copies, at least 1 (got {count!r})")
+            names = [None] * count
         engine = self._machine.engine
         rules = NetworkRules.from_json(network) if network is not None else None
-        [child] = engine.fork(self._machine, self._store, [name], labels=labels, network=rules)
-        return Sandbox(child, self._store_path)
+        children = engine.fork(self._machine, self._store, list(names), labels=labels, network=rules)
+        return [Sandbox(child, self._store_path) for child in children]
 
     # ---- lifecycle ----
 

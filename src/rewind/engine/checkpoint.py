@@ -24,9 +24,8 @@ from pathlib import Path
 import blake3
 
 from rewind.engine.snapshot import SavedState
-from rewind.store import BlobIndex, CheckpointManifest, Store
+from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
 
-HISTORY = 32
 # Memory is cut finer than disks: a guest changes scattered pages, and between two points
 # 1 MiB of file changes apart here 3.2 MiB of pages differed, which touched 31 MiB of
 # 256 KiB chunks but 15 MiB of 64 KiB ones.
@@ -87,7 +86,7 @@ def _link_into(path: Path, dest: Path) -> None:
 
 def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: SavedState, *, machine: str,
                    parent: str | None, name: str | None, labels: dict[str, str] | None, meta: dict,
-                   history: int = HISTORY) -> CheckpointManifest:
+                   history: int = DEFAULT_HISTORY) -> CheckpointManifest:
     """Put a captured state's files into the store and commit it as checkpoint `checkpoint_id`.
     The files keep their names (machines may run on them) and get their cache names too.
 

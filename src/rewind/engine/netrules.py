@@ -1,6 +1,6 @@
 """A machine's network rules and how they decide one destination.
 
-The rules are enforced on the host by the machine's packet filter (netfilter.py),
+The rules are enforced on the host by the machine's packet filter (packetfilter.py),
 outside the guest, so root in the guest cannot change them."""
 
 from __future__ import annotations

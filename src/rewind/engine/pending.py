@@ -39,7 +39,7 @@ from rewind.engine.snapshot import (
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
-from rewind.store.disk import replace_durably
+from rewind.store.durable import replace_durably
 
 # A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
 # committed in the background this long after: a machine is busiest in its first moments

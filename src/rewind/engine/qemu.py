@@ -28,7 +28,7 @@ QMP_WARM_SOCKET = "qmp-warm.sock"  # a second monitor, for populating memory in 
 PID_FILE = "qemu.pid"
 CONSOLE_LOG = "console.log"
 QEMU_LOG = "qemu.log"
-# The guest's frames go to the network filter (netfilter.py) and come back through these.
+# The guest's frames go to the network filter (packetfilter.py) and come back through these.
 NET_FROM_GUEST = "net-guest.sock"  # frames the guest sent
 NET_TO_NET = "net-pass.sock"  # frames the filter lets through to the network
 NET_TO_GUEST = "net-reply.sock"  # frames the filter sends to the guest
@@ -75,7 +75,7 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
         *disk_args(spec.disks),
-        # IPv4 only, and every frame the guest sends goes through our filter (netfilter.py).
+        # IPv4 only, and every frame the guest sends goes through our filter (packetfilter.py).
         "-netdev", "user,id=net0,ipv6=off", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
         *netfilter_args(),
         "-device", "virtio-serial-pci,id=vser0",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rewind.engine.agent import ExecResult
 from rewind.engine.machine import Engine, Machine
@@ -21,7 +22,9 @@ from rewind.errors import RewindError
 from rewind.guard import gittier
 from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.trial import Outcome, try_in_copy
-from rewind.store import Store
+
+if TYPE_CHECKING:
+    from rewind.store import Store
 
 DEFAULT_CWD = "/root"  # the guest agent's own default working directory
 TRIAL_TIMEOUT = 600.0

@@ -12,13 +12,15 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rewind.engine.agent import ExecResult
 from rewind.engine.machine import Engine, Machine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
-from rewind.guard.classify import checked_command
-from rewind.store import Store
+
+if TYPE_CHECKING:
+    from rewind.store import Store
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -98,6 +100,8 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
                 offline: bool = True, cwd: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT) -> Outcome:
     """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`."""
+    from rewind.guard.classify import checked_command  # its parser: 40 ms to load
+
     step = checked_command(step, "the step")
     if verify is not None:
         verify = checked_command(verify, "the verify command")

@@ -317,6 +317,11 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         service.delete(name)
         return Response(status_code=204)
 
+    @app.patch("/machines/{name}/labels", tags=["machines"])
+    def set_labels(name: str, changes: dict[str, str | None]) -> dict[str, str]:
+        """Add or change labels; a null value removes one (a JSON merge patch). The labels now."""
+        return service.set_labels(name, changes)
+
     @app.post("/machines/{name}/stop", tags=["machines"])
     def stop(name: str) -> dict:
         return service.stop(name)

@@ -169,6 +169,9 @@ class RemoteSandbox:
     def labels(self) -> dict[str, str]:
         return self.info().labels
 
+    def set_labels(self, changes: dict[str, str | None]) -> dict[str, str]:
+        return self._call("PATCH", "/labels", json=changes)
+
     @property
     def status(self) -> str:
         return self.info().status
@@ -223,9 +226,14 @@ class RemoteSandbox:
 
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
              network: dict | None = None) -> RemoteSandbox:
-        body = {"names": [name] if name else None, "labels": labels, "network": network}
-        [child] = self._call("POST", "/fork", json=body)
-        return RemoteSandbox(self._remote, child["name"])
+        [child] = self.fork_many(names=[name] if name else None, labels=labels, network=network)
+        return child
+
+    def fork_many(self, count: int = 1, *, names: list[str | None] | None = None,
+                  labels: dict[str, str] | None = None, network: dict | None = None) -> list[RemoteSandbox]:
+        body = {"count": count, "names": names, "labels": labels, "network": network}
+        children = self._call("POST", "/fork", json=body)
+        return [RemoteSandbox(self._remote, child["name"]) for child in children]
 
     def start(self, progress: Callable[[str], None] | None = None) -> None:
         if progress is None:

@@ -70,6 +70,9 @@ class Service:
         sbx.start(progress)
         return wire.info_json(sbx.info())
 
+    def set_labels(self, name: str, changes: dict[str, str | None]) -> dict[str, str]:
+        return self.sandbox(name).set_labels(changes)
+
     def delete(self, name: str) -> None:
         self.sandbox(name).delete()
 

@@ -1,30 +1,55 @@
 """The checkpoint store: deduplicated, content-addressed blobs and self-contained checkpoint
-manifests, with locks, check, prune, gc, export and import. It knows nothing of QEMU."""
+manifests, with locks, check, prune, gc, export and import. It knows nothing of QEMU.
 
-from rewind.store.errors import (
-    BadExport,
-    BadRef,
-    CheckpointExists,
-    CorruptChunk,
-    StoreBusy,
-    StoreError,
-    UnknownCheckpoint,
-)
-from rewind.store.model import BlobIndex, CheckpointManifest, HistoryEntry
-from rewind.store.store import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_HISTORY,
-    CheckReport,
-    GcReport,
-    Progress,
-    Store,
-    new_checkpoint_id,
-)
-from rewind.store.transfer import export_checkpoint, import_checkpoint
+Names are imported on first use (as in rewind/__init__.py): a command that only reads a
+record or writes one durably (store.disk, store.model) does not load the whole store.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    **{name: "rewind.store.errors" for name in (
+        "BadExport", "BadRef", "CheckpointExists", "CorruptChunk", "StoreBusy", "StoreError",
+        "UnknownCheckpoint")},
+    **{name: "rewind.store.model" for name in (
+        "BlobIndex", "CheckpointManifest", "DEFAULT_HISTORY", "HistoryEntry")},
+    **{name: "rewind.store.store" for name in (
+        "DEFAULT_CHUNK_SIZE", "CheckReport", "GcReport", "Progress", "Store", "new_checkpoint_id")},
+    "export_checkpoint": "rewind.store.transfer", "import_checkpoint": "rewind.store.transfer",
+}
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "DEFAULT_HISTORY", "BadExport", "BadRef", "BlobIndex", "CheckReport",
     "CheckpointExists", "CheckpointManifest", "CorruptChunk", "GcReport", "HistoryEntry", "Progress",
     "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "export_checkpoint", "import_checkpoint",
     "new_checkpoint_id",
 ]
+
+if TYPE_CHECKING:
+    from rewind.store.errors import (
+        BadExport,
+        BadRef,
+        CheckpointExists,
+        CorruptChunk,
+        StoreBusy,
+        StoreError,
+        UnknownCheckpoint,
+    )
+    from rewind.store.model import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, HistoryEntry
+    from rewind.store.store import (
+        DEFAULT_CHUNK_SIZE,
+        CheckReport,
+        GcReport,
+        Progress,
+        Store,
+        new_checkpoint_id,
+    )
+    from rewind.store.transfer import export_checkpoint, import_checkpoint
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rewind.store' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

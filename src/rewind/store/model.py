@@ -27,6 +27,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # A name made only of 8 or more hex digits would read as an id prefix in a ref.
 _ID_LIKE = re.compile(r"[0-9a-fA-F]{8,}")
 
+DEFAULT_HISTORY = 32  # ancestors a manifest lists, for history and diff without the store
+
 
 def validate_name(name: str, what: str) -> str:
     """Check a checkpoint, machine or blob name: the same rule as machine names."""

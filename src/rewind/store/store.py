@@ -40,14 +40,13 @@ from rewind.store.disk import (
     chunk_hash,
     decode_chunk,
     encode_chunk,
-    fsync_dir,
-    os_errors,
     worker_pool,
-    write_tmp,
 )
+from rewind.store.durable import fsync_dir, os_errors, write_tmp
 from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
 from rewind.store.locks import live_holders, names_lock, store_lock
 from rewind.store.model import (
+    DEFAULT_HISTORY,
     FORMAT,
     BlobIndex,
     CheckpointManifest,
@@ -57,7 +56,6 @@ from rewind.store.model import (
 )
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
-DEFAULT_HISTORY = 32
 _DIRS = ("chunks", "checkpoints", "locks", "tmp")
 _BACK = re.compile(r"(.*)~(\d+)")
 _HEX = re.compile(r"[0-9a-fA-F]+")

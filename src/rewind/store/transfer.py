@@ -26,7 +26,8 @@ from typing import BinaryIO
 
 import blake3
 
-from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk, fsync_dir, os_errors, write_tmp
+from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk
+from rewind.store.durable import fsync_dir, os_errors, write_tmp
 from rewind.store.errors import BadExport, CorruptChunk
 from rewind.store.model import CheckpointManifest
 from rewind.store.store import Store

@@ -1,0 +1,58 @@
+"""Durable writes, shared by the store, export/import and the engine's records and journals:
+a file is replaced all at once and for good, and an OSError says what could not be done."""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rewind.store.errors import StoreError
+
+
+def write_tmp(tmp_dir: Path, data: bytes) -> Path:
+    """Write `data` to a new file in `tmp_dir` and fsync it; the caller renames it into place."""
+    path = tmp_dir / f"{secrets.token_hex(8)}.tmp"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return path
+
+
+def replace_durably(path: Path, data: bytes) -> None:
+    """Put `data` at `path` all at once and for good: readers see the old file or the new one,
+    and after a crash the new one if this returned (fsync'ed, renamed, directory fsync'ed)."""
+    os.replace(write_tmp(path.parent, data), path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames into a directory durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def os_errors(what: str) -> Iterator[None]:
+    """Report an OSError (a full disk above all) as a StoreError saying what could not be done."""
+    try:
+        yield
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(f"cannot {what}: out of space{where}") from e
+        raise StoreError(f"cannot {what}: {e.strerror or e}{where}") from e
