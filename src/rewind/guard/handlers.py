@@ -606,18 +606,18 @@ def cloud(call: Call) -> list[Rule]:
     if words[0] in _CLOUD_SETTINGS:
         return [READS if reads else SETTINGS]
     if words[0] in _CLOUD_STORAGE and words[1:2] in (["cp"], ["mv"], ["sync"], ["rsync"]):
-        return storage_copy(call.shifted(parsed.operands[1:]))
+        return storage_copy(call.shifted(parsed.operands[2:], entry=f"{call.entry} {words[0]} {words[1]}"))
     return [READS if reads else _CLOUD]
 
 
 def storage_copy(call: Call) -> list[Rule]:
-    """VERB SOURCE... DESTINATION (cp, mv, sync): to remote storage (s3://, gs://, remote:path)
+    """SOURCE... DESTINATION after cp, mv or sync: to remote storage (s3://, gs://, remote:path)
     is external, as is moving from it; otherwise the destination is written (a download)."""
-    operands = [word for word in call.args[1:] if not (word.text or "").startswith("-")]
+    operands = [word for word in call.args if not (word.text or "").startswith("-")]
     if len(operands) < 2:
         operands = [*operands, HERE]  # s3cmd get s3://b/x: into the current folder
     *sources, destination = operands
-    moves = call.args[0].text in ("mv", "move", "moveto")
+    moves = call.entry.rpartition(" ")[2] in ("mv", "move", "moveto")
     if remote_path(destination.text) or (moves and any(remote_path(s.text) for s in sources)):
         return [_STORAGE]
     return [call.writes([destination], "downloads into")]

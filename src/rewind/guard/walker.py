@@ -475,6 +475,7 @@ def _place_rule(place: Place, verb: str, shown: str | None) -> Rule:
 
 
 _SYSTEM_BIN = frozenset({"/bin", "/sbin", "/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"})
+_PROJECT_WRAPPERS = frozenset({"gradlew", "mvnw"})  # scripts a project carries to run a known build tool
 _UNPARSED = Rule(Kind.FORK, "could not be parsed", "shell: syntax")
 
 
@@ -498,7 +499,7 @@ def _only_misread_here_strings(root: tree_sitter.Node) -> bool:
 def program_key(name: str) -> str | None:
     """The PROGRAMS key for a command name: /usr/bin/rm is rm, python3.11 is python."""
     folder, base = posixpath.split(name)
-    if folder and folder not in _SYSTEM_BIN:
+    if folder and folder not in _SYSTEM_BIN and base not in _PROJECT_WRAPPERS:
         return None  # ./run.sh, .venv/bin/x: a program of its own
     if base in PROGRAMS:
         return base
