@@ -30,6 +30,7 @@ from rewind.engine.qemu import QEMU_BINARY
 from rewind.engine.template import find_template
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.guard.classify import classify as classify_command
+from rewind.guard.userrules import find_rules, read_rules
 from rewind.image import build_image, find_image, import_image, list_images, recipe_id
 from rewind.sandbox import Checkpoint, Sandbox, history_of, open_store, try_in_copy
 from rewind.store import CheckpointManifest, Store, export_checkpoint, import_checkpoint
@@ -187,16 +188,25 @@ def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | 
 @cli.command()
 @click.argument("command", nargs=-1, required=True)
 @click.option("--cwd", default=None, help="The project folder: the command's working directory.")
+@click.option("--explain", is_flag=True, help="Say which rule, table entry or shell construct decided.")
+@click.option("--rules", "rules_file", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Read rules from this file only (default: rewind.toml here or above, then the user's).")
 @json_option
-def classify(command: tuple[str, ...], cwd: str | None, as_json: bool) -> None:
+def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_file: str | None,
+             as_json: bool) -> None:
     """Say what undo COMMAND needs: none, git, fork or external (`rewind classify -- CMD`)."""
-    decision = classify_command(" ".join(command), cwd=cwd)
+    rules = read_rules(Path(rules_file)) if rules_file else find_rules()
+    decision = classify_command(" ".join(command), cwd=cwd, rules=rules)
     if as_json:
         emit_json(decision.to_json())
-    else:
-        click.echo(decision.kind)
-        for reason in decision.reasons:
-            click.echo(f"  {reason}")
+        return
+    click.echo(decision.kind)
+    for reason, source in zip(decision.reasons, decision.decided_by, strict=True):
+        click.echo(f"  {reason}")
+        if explain:
+            click.echo(f"    decided by {source}")
+    if explain and decision.unknown_programs:
+        click.echo(f"  a fork only because no rule or table knows: {', '.join(decision.unknown_programs)}")
 
 
 @cli.command(name="try")

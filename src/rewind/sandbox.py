@@ -26,6 +26,7 @@ from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.guarded import GuardedResult, guarded
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
 from rewind.guard.trial import try_in_copy as _try_in_copy
+from rewind.guard.userrules import UserRules, find_rules
 from rewind.home import Home
 from rewind.store import CheckpointManifest, HistoryEntry, Store
 
@@ -230,17 +231,20 @@ class Sandbox:
         return checked(result, cmd, check)
 
     def guarded(self, cmd: str, *, verify: str | None = None, allow_external: bool = False,
-                cwd: str | None = None, timeout: float | None = None, offline: bool = False) -> GuardedResult:
+                cwd: str | None = None, timeout: float | None = None, offline: bool = False,
+                rules: UserRules | None = None) -> GuardedResult:
         """Run `cmd` with the cheapest undo that covers what it can do (see rewind.classify):
         reads run as is; changes to project files (`cwd`, default /root) are recorded by git
         first and put back on failure; anything else runs in a copy kept only if it passes;
         commands acting outside the machine are refused unless `allow_external` (then the
         machine is checkpointed first). `verify` is a check that must pass too. The result
-        says which path was taken."""
+        says which path was taken. `rules` come before the guard's table; by default the
+        rewind.toml files found from the current folder and in the user's config folder."""
         if not isinstance(cmd, str):
             raise InvalidArgument("a guarded command must be a shell command string")
         return guarded(self._machine.engine, self._machine, self._store, cmd, verify=verify,
-                       allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline)
+                       allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline,
+                       rules=find_rules() if rules is None else rules)
 
     # ---- checkpoints ----
 

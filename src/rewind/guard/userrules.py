@@ -47,8 +47,9 @@ class UserRule:
     reason: str | None = None
 
     def verdict(self, what: str) -> Rule:
-        why = self.reason or f"is declared {self.kind} by a user's rule"
-        return Rule(self.kind, f"{what}{', which ' if what else ''}{why}", f"rule: {self.origin}")
+        """This rule's verdict; `what` says what the program does (a path rule's write)."""
+        why = f"{what + ',' if what else 'is'} declared {self.kind} by a user's rule"
+        return Rule(self.kind, f"{why}: {self.reason}" if self.reason else why, f"rule: {self.origin}")
 
     def matches_program(self, name: str, args: Sequence[str | None]) -> bool:
         if self.program is None:
