@@ -123,12 +123,23 @@ def python(call: Call) -> list[Rule]:
     if module is not None:  # python -m twine upload: judged as twine upload
         program = _MODULE_PROGRAMS.get(module, module)
         if call.knows(program):
-            call.run([literal(program), *parsed.operands])
+            call.run([literal(program), *_after_module(call.args)])
             return []
         return [unknown(f"python -m {module}", f"runs the Python module {module}; its effect is not known")]
     if parsed.has("-V") and not parsed.operands and not parsed.has("-c"):
         return [Rule(Kind.NONE, "only prints its version")]
     return [RUNS_CODE]
+
+
+def _after_module(args: list[Word]) -> list[Word]:
+    """The arguments after `-m MODULE`: they are the module's, flags included."""
+    for i, word in enumerate(args):
+        text = word.text or ""
+        if text == "-m":
+            return args[i + 2:]
+        if text.startswith("-m"):
+            return args[i + 1:]
+    return []
 
 
 def _edits_in_place(call: Call, options: Options, script_flags: tuple[str, ...]) -> list[Rule]:
@@ -429,7 +440,7 @@ def database(call: Call) -> list[Rule]:
     return [DATABASE]
 
 
-_SQLITE_OPTIONS = Options(long_values=word_set("-cmd -separator -nullvalue -newline -vfs -init -A"))
+_SQLITE_OPTIONS = Options(long_values=word_set("--cmd --separator --nullvalue --newline --vfs --init -A"))
 # What lets SQLite's or DuckDB's SQL reach beyond the database file: dot commands that write files or
 # run programs, ATTACH, extensions, COPY ... TO
 _SQL_ESCAPES = re.compile(r"(?im)^\s*\.(shell|system|output|once|backup|save|import|excel|open|load|restore|"
@@ -440,13 +451,13 @@ def sqlite(call: Call) -> list[Rule]:
     """sqlite3 and duckdb: SQL given on the command line changes only the database file (git when
     it is in the project); SQL from the input, or SQL that reaches other files or programs, may
     do anything."""
-    parsed = _SQLITE_OPTIONS.parse([literal(w.text[1:]) if (w.text or "").startswith("--") else w
-                                    for w in call.args])  # both take -flag and --flag
+    long = [literal("-" + w.text) if re.match(r"-[a-z]{2,}", w.text or "") else w for w in call.args]
+    parsed = _SQLITE_OPTIONS.parse(long)  # both take -flag and --flag
     database, *sql = parsed.operands or [literal(":memory:")]
-    sql += parsed.values("-cmd")
-    if parsed.has("-init") or not sql or any(w.text is None or _SQL_ESCAPES.search(w.text) for w in sql):
+    sql += parsed.values("--cmd")
+    if parsed.has("--init") or not sql or any(w.text is None or _SQL_ESCAPES.search(w.text) for w in sql):
         return [Rule(Kind.FORK, "runs SQL that can write other files or run programs")]
-    if parsed.has("-readonly") or database.text in (":memory:", ""):
+    if parsed.has("--readonly") or database.text in (":memory:", ""):
         return [READS]
     return [call.writes([database], "can change the database")]
 
