@@ -480,7 +480,7 @@ def test_project_rules_come_before_the_users(tmp_path: Path, monkeypatch: pytest
 @pytest.mark.parametrize(("text", "message"), [
     ("[[rule]\n", "not valid TOML"),
     ('[[rule]]\nprogram = "x"\nkind = "maybe"\n', ":1: rule #1: kind must be one of none, git, fork, "),
-    ('[[rule]]\nprogram = "x"\nkind = "none"\n\n[[rule]]\nkind = "fork"\n', ":5: rule #2: give either program"),
+    ('[[rule]]\nprogram = "x"\nkind = "none"\n\n[[rule]]\nkind = "fork"\n', ":5: rule #2: give either"),
     ('[[rule]]\nprogram = "x"\npath = "/a"\nkind = "none"\n', "give either program or path"),
     ('[[rule]]\npath = "/a"\nsubcommand = "b"\nkind = "none"\n', "subcommand needs a program"),
     ('[[rule]]\nprogram = "x"\nkind = "none"\nkinds = "fork"\n', "unknown field 'kinds'"),
