@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import tree_sitter
 import tree_sitter_bash
 
-from rewind.guard.entries import READS, RISKY_VARIABLES, risky_variable
+from rewind.guard.entries import READS, RISKY_VARIABLES, risky_variable, unknown
 from rewind.guard.programs import PROGRAMS
 from rewind.guard.userrules import UserRules
 from rewind.guard.verdicts import Decision, Kind, Rule
@@ -519,14 +519,9 @@ def _judge(call: Call) -> list[Rule]:
     program = program_key(call.name)
     if program is None:
         if "/" in call.name:
-            return [unknown_program(call.name, f"runs the program {call.name}; its effect cannot be known")]
-        return [unknown_program(call.name, "is not a known command; its effect cannot be known")]
+            return [unknown(call.name, f"runs the program {call.name}; its effect cannot be known")]
+        return [unknown(call.name, "is not a known command; its effect cannot be known")]
     if [word.text for word in call.args] in (["--version"], ["--help"]):
         return [Rule(Kind.NONE, "only prints its version or help", f"table: {program}")]
     entry = call.shifted(call.args, entry=program)
     return [rule.sourced(f"table: {program}") for rule in PROGRAMS[program](entry)]
-
-
-def unknown_program(name: str, why: str) -> Rule:
-    """The verdict on a program no rule or table knows: a fork, marked so it can be watched."""
-    return Rule(Kind.FORK, why, "unknown program", unknown=name)
