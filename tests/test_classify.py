@@ -268,7 +268,9 @@ def test_reasons_name_the_deciding_part() -> None:
     decision = classify("ls && sudo apt-get install -y postgresql && echo done")
     assert decision.kind is Kind.FORK
     assert decision.reasons == ("`sudo apt-get install -y postgresql` installs or removes packages (fork)",)
-    assert decision.to_json() == {"kind": "fork", "reasons": list(decision.reasons)}
+    assert decision.to_json() == {"kind": "fork", "reasons": list(decision.reasons),
+                                  "decided_by": ["table: apt-get (default, for install)"],
+                                  "unknown_programs": []}
 
 
 def test_without_cwd_only_relative_paths_are_inside() -> None:

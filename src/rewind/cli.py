@@ -220,20 +220,34 @@ def _guarded_exec(name: str, command: str, *, cwd: str | None, timeout: float | 
 @cli.command()
 @click.argument("command", nargs=-1, required=True)
 @click.option("--cwd", default=None, help="The project folder: the command's working directory.")
+@click.option("--explain", is_flag=True, help="Say which rule, table entry or shell construct decided.")
+@click.option("--rules", "rules_file", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Read rules from this file only (default: rewind.toml here or above, then the user's).")
 @json_option
-def classify(command: tuple[str, ...], cwd: str | None, as_json: bool) -> None:
+def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_file: str | None,
+             as_json: bool) -> None:
     """Say what undo COMMAND needs: none, git, fork or external (`rewind classify -- CMD`)."""
     from rewind.guard.classify import classify as classify_command
+    from rewind.guard.userrules import find_rules, read_rules
 
-    remote = _remote()
-    text = " ".join(command)
-    decision = classify_command(text, cwd=cwd) if remote is None else remote.classify(text, cwd)
+    remote, text = _remote(), " ".join(command)
+    if remote is None:
+        rules = read_rules(Path(rules_file)) if rules_file else find_rules()
+        decision = classify_command(text, cwd=cwd, rules=rules)
+    elif rules_file:
+        raise InvalidArgument("--rules is a file on this host; unset REWIND_URL to use it")
+    else:
+        decision = remote.classify(text, cwd)  # by the server's rules
     if as_json:
         emit_json(decision.to_json())
-    else:
-        click.echo(decision.kind)
-        for reason in decision.reasons:
-            click.echo(f"  {reason}")
+        return
+    click.echo(decision.kind)
+    for reason, source in zip(decision.reasons, decision.decided_by, strict=True):
+        click.echo(f"  {reason}")
+        if explain:
+            click.echo(f"    decided by {source}")
+    if explain and decision.unknown_programs:
+        click.echo(f"  a fork only because no rule or table knows: {', '.join(decision.unknown_programs)}")
 
 
 @cli.command(name="try")

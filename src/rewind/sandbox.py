@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from rewind.engine.points import Point
     from rewind.guard.guarded import GuardedResult
     from rewind.guard.trial import Outcome
+    from rewind.guard.userrules import UserRules
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, HistoryEntry, Store
 
@@ -238,19 +239,23 @@ class Sandbox:
         return checked(result, cmd, check)
 
     def guarded(self, cmd: str, *, verify: str | None = None, allow_external: bool = False,
-                cwd: str | None = None, timeout: float | None = None, offline: bool = False) -> GuardedResult:
+                cwd: str | None = None, timeout: float | None = None, offline: bool = False,
+                rules: UserRules | None = None) -> GuardedResult:
         """Run `cmd` with the cheapest undo that covers what it can do (see rewind.classify):
         reads run as is; changes to project files (`cwd`, default /root) are recorded by git
         first and put back on failure; anything else runs in a copy kept only if it passes;
         commands acting outside the machine are refused unless `allow_external` (then the
         machine is checkpointed first). `verify` is a check that must pass too. The result
-        says which path was taken."""
+        says which path was taken. `rules` come before the guard's table; by default the
+        rewind.toml files found from the current folder and in the user's config folder."""
         from rewind.guard.guarded import guarded
+        from rewind.guard.userrules import find_rules
 
         if not isinstance(cmd, str):
             raise InvalidArgument("a guarded command must be a shell command string")
         return guarded(self._machine.engine, self._machine, self._store, cmd, verify=verify,
-                       allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline)
+                       allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline,
+                       rules=find_rules() if rules is None else rules)
 
     # ---- checkpoints ----
 

@@ -22,6 +22,7 @@ from rewind.errors import RewindError
 from rewind.guard import gittier
 from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.trial import Outcome, try_in_copy
+from rewind.guard.userrules import NO_RULES, UserRules
 
 if TYPE_CHECKING:
     from rewind.store import Store
@@ -70,10 +71,10 @@ class GuardedResult:
 
 def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, verify: str | None = None,
             allow_external: bool = False, cwd: str | None = None, timeout: float | None = None,
-            offline: bool = False) -> GuardedResult:
+            offline: bool = False, rules: UserRules = NO_RULES) -> GuardedResult:
     started = time.monotonic()
     folder = cwd or DEFAULT_CWD
-    decision = classify(command, cwd=folder)
+    decision = classify(command, cwd=folder, rules=rules)
     kind = decision.kind
     if kind is Kind.GIT and folder == "/":
         kind = Kind.FORK  # the git tier records one project, not the whole file system

@@ -16,6 +16,7 @@ from rewind.engine.machine import Engine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import classify
+from rewind.guard.userrules import find_rules
 from rewind.home import Home
 from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
 from rewind.serve import wire
@@ -92,8 +93,9 @@ class Service:
         """classify's answer for a shell string; an argv list or an unreadable command has none."""
         if not isinstance(cmd, str):
             return None
+        rules = find_rules()  # outside the try: a bad rules file is the caller's to hear of
         try:
-            return classify(cmd, cwd=cwd or "/root").to_json()
+            return classify(cmd, cwd=cwd or "/root", rules=rules).to_json()
         except InvalidArgument:
             return None
 
@@ -110,7 +112,7 @@ class Service:
 
     @staticmethod
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
-        return classify(command, cwd=cwd).to_json()
+        return classify(command, cwd=cwd, rules=find_rules()).to_json()
 
     # ---- files and network ----
 

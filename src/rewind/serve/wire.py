@@ -105,7 +105,8 @@ def info_from(d: dict[str, Any]) -> MachineInfo:
 
 
 def decision_from(d: dict[str, Any]) -> Decision:
-    return Decision(Kind(d["kind"]), tuple(d["reasons"]))
+    return Decision(Kind(d["kind"]), tuple(d["reasons"]), tuple(d.get("decided_by", ())),
+                    tuple(d.get("unknown_programs", ())))
 
 
 def _run_from(d: dict[str, Any] | None) -> StepRun | None:
