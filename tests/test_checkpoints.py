@@ -12,11 +12,13 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
-from rewind.engine import pending
+from rewind.engine import pending, snapshot
+from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
@@ -250,7 +252,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
     checkpoint saved a record read before, and turned the internet back on)."""
     sbx = Sandbox.create("racer", home=home)
     other = Sandbox.get("racer", home=home)
-    real_capture = machine_module.capture
+    real_capture = snapshot.capture
 
     def capture_while_rules_change(*args: object, **kwargs: object) -> object:
         changer = threading.Thread(target=other.network.off)
@@ -259,7 +261,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
         assert not changer.is_alive(), "setting the rules waited for the checkpoint"
         return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(machine_module, "capture", capture_while_rules_change)
+    monkeypatch.setattr(snapshot, "capture", capture_while_rules_change)
     sbx.checkpoint()
     assert Sandbox.get("racer", home=home).network.get()["internet"] is False
 
@@ -349,3 +351,34 @@ def test_guest_ram_ranges_follow_the_q35_layout() -> None:
     assert guest_ram_ranges(2816) == [(0, 2 << 30), (4 << 30, 768 << 20)]
     assert guest_ram_ranges(4096) == [(0, 2 << 30), (4 << 30, 2 << 30)]
     assert sum(size for _, size in guest_ram_ranges(3000)) == 3000 << 20
+
+
+def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> None:
+    """A machine restored from a point maps that point's memory file; its next point stores
+    only the chunks its QEMU has written since (pagemap.py) and takes the rest from the first.
+    Stored so, the memory must come back byte for byte once the local copy is gone."""
+    sbx = Sandbox.create("delta", home=home)
+    base = sbx.checkpoint(wait=True)
+    sbx.restore(base)
+    sbx.exec("head -c 8M /dev/urandom > /dev/shm/pattern && sha256sum /dev/shm/pattern > /root/pattern.sum",
+             check=True)
+    point = sbx.checkpoint(wait=True)
+    manifest = Store.open(home.store).get(point.id)
+    assert manifest.meta["ram_base"] == base.id  # stored by its changes alone
+    caches = Caches.of(home.root, home.runtime)
+    captured = caches.ram / f"{point.id}.ram"
+    with captured.open("rb") as f:
+        as_captured = blake3.blake3(f.read()).hexdigest()
+    cached = caches.ram / f"{blob_digest(manifest.blobs['ram'])}.ram"
+    assert os.path.samefile(captured, cached)
+    captured.unlink()
+    cached.unlink()  # no local copy left: the next machine from it unpacks the store's
+
+    again = Sandbox.create("delta-again", from_checkpoint=point.id, home=home)
+    with cached.open("rb") as f:
+        assert blake3.blake3(f.read()).hexdigest() == as_captured
+    assert again.exec("sha256sum -c /root/pattern.sum").ok
+    # The chunks the second point took from the first are the first's own.
+    first = Store.open(home.store).get(base.id).blobs["ram"]
+    same = sum(a == b for a, b in zip(first.chunks, manifest.blobs["ram"].chunks, strict=True))
+    assert same > len(first.chunks) // 2

@@ -164,6 +164,7 @@ class MachineRecord:
     parent: str | None = None  # the checkpoint this machine was last saved to or restored from
     extra: dict = field(default_factory=dict)  # where it came from (checkpoint, machine it forked from)
     ram: str | None = None  # the memory file its QEMU maps
+    ram_point: str | None = None  # the checkpoint whose memory that file is (None: a template's)
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
 
     @classmethod
@@ -347,7 +348,7 @@ class Machine:
         then give the guest this machine's identity."""
         self.record.disks = [str(d) for d in state.disks]
         self.record.disks.append(str(self._new_top()))
-        self.record.ram = str(state.ram)
+        self.record.ram, self.record.ram_point = str(state.ram), state.point
         with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
                     capabilities=[{"capability": "x-ignore-shared", "state": True}])
@@ -494,6 +495,7 @@ class Machine:
                           new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                           ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
                           held=held)
+            changed = self._ram_changed()
             monitor = None
             if not live:
                 # Its memory is written out later, by its committer, through the QMP socket
@@ -516,7 +518,8 @@ class Machine:
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
                 monitor=None if monitor is None else str(monitor),
-                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0)
+                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0,
+                ram_base=None if changed is None else r.ram_point, ram_changed=changed)
             pending.record(home, point)
 
             def advance(record: MachineRecord) -> None:
@@ -526,6 +529,21 @@ class Machine:
         # The cache is trimmed by committers, off the caller's path: here it cost 0.12-0.27 s
         # per call once the cache was full (every QEMU's mappings are read to see what is in use).
         return point
+
+    def _ram_changed(self) -> list[list[int]] | None:
+        """Which chunks of its memory may differ from its memory file's checkpoint, read after a
+        capture's instant (see pagemap.py); None if that is not known (a template's file)."""
+        from rewind.engine import pagemap
+        from rewind.engine.checkpoint import RAM_CHUNK_SIZE
+
+        r = self.record
+        if r.ram_point is None or r.ram is None or r.pid is None:
+            return None
+        try:
+            ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE)
+        except (LookupError, OSError):
+            return None
+        return [[first, last] for first, last in ranges]
 
     def warm(self) -> None:
         """Prepare this machine's QEMU for its next checkpoint, in the background (see

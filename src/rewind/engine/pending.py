@@ -71,12 +71,16 @@ class PendingCheckpoint:
     end_layer: str | None = None  # and the empty top layer it was left writing to
     monitor: str | None = None  # that QEMU's QMP socket, while its memory is still to be written out
     not_before: float = 0.0  # the background committer waits until then (see START_FIRST_S)
+    # Memory that may differ from checkpoint `ram_base`'s, as [first, last) ranges of chunk
+    # numbers (see pagemap.py): only those chunks are read and hashed. None: all of it.
+    ram_base: str | None = None
+    ram_changed: list[list[int]] | None = None
 
     @property
     def state(self) -> SavedState:
         """What a new QEMU runs this point from (once wait_written returns)."""
         return SavedState(ram=Path(self.ram), devstate=Path(self.devstate),
-                          disks=[Path(d) for d in self.disks])
+                          disks=[Path(d) for d in self.disks], point=self.id)
 
     def wait_written(self) -> SplitResult:
         """Wait until QEMU has written the memory out; StreamError if it failed."""
@@ -312,8 +316,8 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         try:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
                            point.state, machine=point.machine, parent=surviving(home, point.parent),
-                           name=point.name,
-                           labels=point.labels, meta=point.meta, history=point.history)
+                           name=point.name, labels=point.labels, meta=point.meta, history=point.history,
+                           ram_base=point.ram_base, ram_changed=point.ram_changed)
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "

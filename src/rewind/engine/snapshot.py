@@ -55,6 +55,7 @@ class SavedState:
     ram: Path  # raw memory image on tmpfs, mapped copy-on-write
     devstate: Path  # device state, loaded with x-ignore-shared
     disks: list[Path]  # the disk's frozen layers, base first
+    point: str | None = None  # the checkpoint it is (None: an image's booted template)
 
 
 @dataclass(frozen=True)

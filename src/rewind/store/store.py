@@ -10,9 +10,13 @@ Layout of a store directory:
     locks/                      store.lock (flock) and the holders' notes (locks.py)
     tmp/                        files being written; what a crash leaves here, gc removes
 
-Discipline after restic's repository: files are written to tmp/, fsync'ed and renamed into
-place, so a crash leaves nothing half-visible; adding takes the lock shared, gc and prune take
-it exclusively; check and gc are first-class operations.
+Discipline after restic's repository: files are written to tmp/, made durable and only then
+renamed into place, so a crash leaves nothing half-visible. A blob's new chunks are written to
+tmp/ together, made durable by one syncfs, renamed into chunks/, and the renames made durable
+by another, all before put_blob returns; a manifest (fsync'ed, renamed, its folder fsync'ed)
+comes after the blobs it names. A chunk present in chunks/ is therefore whole, and is
+trusted as such. Adding takes the lock shared, gc and prune take it exclusively; check and
+gc are first-class operations.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from rewind.store.disk import (
     encode_chunk,
     worker_pool,
 )
-from rewind.store.durable import fsync_dir, os_errors, write_tmp
+from rewind.store.durable import fsync_dir, os_errors, sync_filesystem, write_tmp
 from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
 from rewind.store.locks import live_holders, names_lock, store_lock
 from rewind.store.model import (
@@ -180,7 +184,7 @@ class Store:
         zero = bytes(cs)
         chunks: list[str | None] = []
         pending: deque[tuple[int, Future[tuple[str, Path | None]]]] = deque()
-        new_dirs: set[Path] = set()
+        staged: list[tuple[Path, str]] = []  # new chunks written to tmp/, and where they go
         offset = 0
         start = f.tell() if regular else 0
         data_at = -1  # in a regular file: the next offset that may hold data, as last looked up
@@ -188,9 +192,9 @@ class Store:
         def settle(limit: int) -> None:  # collect finished chunks, keeping at most `limit` in flight
             while len(pending) > limit:
                 i, future = pending.popleft()
-                chunks[i], new_dir = future.result()
-                if new_dir is not None:
-                    new_dirs.add(new_dir)
+                chunks[i], tmp = future.result()
+                if tmp is not None:
+                    staged.append((tmp, self._chunk_file(chunks[i])))
 
         with worker_pool() as pool:
             while total is None or offset < total:
@@ -222,17 +226,20 @@ class Store:
                 if progress is not None:
                     progress(offset, total)
             settle(0)
-            list(pool.map(fsync_dir, new_dirs))
+        if staged:
+            sync_filesystem(self._tmp)
+            for tmp, path in staged:
+                os.rename(tmp, path)
+            sync_filesystem(self._tmp)
         return BlobIndex(size=offset, chunk_size=cs, chunks=chunks)
 
     def _store_chunk(self, data: bytes) -> tuple[str, Path | None]:
-        """Hash a chunk and add it unless present; returns its hash and, if written, its directory."""
+        """Hash a chunk and, unless the store has it, write it to tmp/ (not yet durable: see
+        the module's docstring); its hash, and the file written if any."""
         h = chunk_hash(data)
-        path = self._chunk_file(h)
-        if os.path.exists(path):
+        if os.path.exists(self._chunk_file(h)):
             return h, None
-        os.rename(write_tmp(self._tmp, encode_chunk(data)), path)
-        return h, Path(path).parent
+        return h, write_tmp(self._tmp, encode_chunk(data), sync=False)
 
     def commit(self, machine: str, blobs: dict[str, BlobIndex],
                parent: str | CheckpointManifest | None = None, name: str | None = None,

@@ -1,0 +1,72 @@
+"""Which parts of a running QEMU's guest memory can differ from the memory file it maps.
+
+A machine's QEMU maps its memory file copy-on-write (share=off): a page the guest has
+written is an anonymous copy, and every other page still reads from the file. The kernel's
+pagemap (/proc/PID/pagemap, one 64-bit entry per page) tells which: bit 63 present, 62
+swapped, 61 a page of the file. So the chunks of a capture that can differ from the file
+it was started from are known without reading either, and a commit hashes only those (see
+Store.put_blob's `unchanged`). A page only goes from the file's to an anonymous copy, never
+back (rewind's QEMUs have no balloon and discard no guest memory), so a map read after the
+capture's instant gives all that changed before it, and perhaps a little more.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rewind.engine.prefault import PAGE
+
+# The top byte of a pagemap entry (bits 56-63) decides: 0x80 present, 0x40 swapped, 0x20 a
+# page of the file. A page may differ from the file when it is swapped, or present and not
+# the file's. One flag byte per page, made by bytes.translate at C speed: 131,072 pages of
+# a 512 MiB guest take 2 ms here, where a Python loop over them took 30 ms.
+_MAY_DIFFER = bytes(1 if top & 0x40 or (top & 0x80 and not top & 0x20) else 0 for top in range(256))
+
+
+def file_mapping(pid: int, size: int, path: Path) -> int:
+    """Where QEMU `pid` maps `path` as guest memory of `size` bytes, copy-on-write from its
+    start. LookupError unless exactly one such mapping of that very file exists."""
+    st = os.stat(path)
+    found = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            device_ok = os.makedev(*(int(x, 16) for x in fields[3].split(":"))) == st.st_dev
+            if (end - start == size and fields[1] == "rw-p" and int(fields[2], 16) == 0
+                    and device_ok and int(fields[4]) == st.st_ino):
+                found.append(start)
+    if len(found) != 1:
+        raise LookupError(f"QEMU {pid} does not map {path} once as its guest memory")
+    return found[0]
+
+
+def changed_chunks(pid: int, size: int, path: Path, chunk_size: int) -> list[tuple[int, int]]:
+    """The chunks of QEMU `pid`'s guest memory (`size` bytes, mapped from `path`) that may
+    differ from the file now, as [first, last) ranges of chunk numbers. LookupError if QEMU
+    does not map that file (see file_mapping), OSError if its pagemap cannot be read."""
+    if chunk_size % PAGE or size % chunk_size:
+        raise LookupError(f"guest memory of {size} bytes is not whole chunks of {chunk_size}")
+    start = file_mapping(pid, size, path)
+    pages = size // PAGE
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+        pagemap.seek(start // PAGE * 8)
+        entries = bytearray()
+        while len(entries) < pages * 8:
+            got = pagemap.read(pages * 8 - len(entries))
+            if not got:
+                raise OSError(f"the pagemap of process {pid} ended early")
+            entries += got
+    flags = bytes(entries[7::8]).translate(_MAY_DIFFER)
+    per_chunk = chunk_size // PAGE
+    ranges: list[tuple[int, int]] = []
+    page = flags.find(1)
+    while page != -1:
+        chunk = page // per_chunk
+        if ranges and ranges[-1][1] == chunk:
+            ranges[-1] = (ranges[-1][0], chunk + 1)
+        else:
+            ranges.append((chunk, chunk + 1))
+        page = flags.find(1, (chunk + 1) * per_chunk)
+    return ranges
