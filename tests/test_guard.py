@@ -8,7 +8,7 @@ import pytest
 from conftest import rewind_cli
 from test_network import Listener
 
-from rewind import Home, InvalidArgument, Refused, Sandbox, try_in_copy
+from rewind import Home, InvalidArgument, Refused, Sandbox, classify, try_in_copy
 from rewind.engine.machine import Engine
 
 # A server holding state only in memory: each connection gets one more than the last.
@@ -164,6 +164,36 @@ def test_guarded_takes_the_path_of_the_kind(home: Home) -> None:
     pushed = sbx.guarded("curl -s -X POST http://10.0.2.2:1/ || true", allow_external=True)
     assert (pushed.kind, pushed.path) == ("external", "checkpoint") and pushed.checkpoint
     assert sbx.history()[0].id == pushed.checkpoint
+
+
+# Programs in no table: one that leaves a mark and tries to reach an address outside the
+# machine (TEST-NET-1, denied by the machine's rules so that it is refused at once), and
+# one that only writes a file.
+PHONES_HOME = "#!/bin/bash\necho called > /root/called\nexec 3<>/dev/tcp/192.0.2.7/443\n"
+TIDIES_UP = "#!/bin/bash\necho tidy > /srv/tidied\n"
+
+
+def test_an_unknown_program_is_watched_in_an_offline_copy(home: Home) -> None:
+    sbx = Sandbox.create("agent", home=home, network={"internet": True, "deny": ["192.0.2.0/24"]})
+    sbx.files.write("/usr/local/bin/phone-home", PHONES_HOME, mode=0o755)
+    sbx.files.write("/usr/local/bin/tidy-up", TIDIES_UP, mode=0o755)
+    assert classify("phone-home").unknown_programs == ("phone-home",)
+
+    with pytest.raises(Refused, match=r"phone-home tried to reach outside.*tcp 192\.0\.2\.7:443") as refused:
+        sbx.guarded("phone-home")
+    assert refused.value.attempted == ("tcp 192.0.2.7:443",)
+    assert not sbx.exec("test -e /root/called").ok  # the copy it ran in is gone
+    assert machines(home) == ["agent"]
+
+    tidy = sbx.guarded("tidy-up")
+    assert (tidy.kind, tidy.path, tidy.undone, tidy.ok) == ("fork", "copy", False, True), tidy
+    assert tidy.outcome is not None and tidy.outcome.attempted == ()
+    assert sbx.files.read_text("/srv/tidied") == "tidy\n"
+
+    allowed = sbx.guarded("phone-home || true", allow_external=True)
+    assert allowed.path == "checkpoint" and "tcp 192.0.2.7:443" in allowed.note, allowed
+    assert sbx.exec("test -e /root/called").ok
+    assert sbx.history()[0].id == allowed.checkpoint
 
 
 def test_guard_bad_input(home: Home) -> None:

@@ -333,8 +333,10 @@ class Captured:
         self.frames.append(data[4:])
 
 
-def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str]) -> tuple[str, list[str]]:
-    """Ask the host's packet filter code for `name` as the guest would; (rcode, addresses)."""
+def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str],
+               attempts: list[str] | None = None) -> tuple[str, list[str]]:
+    """Ask the host's packet filter code for `name` as the guest would; (rcode, addresses).
+    What the filter counts as refused attempts is added to `attempts`."""
     import asyncio
 
     import dns.message
@@ -360,6 +362,8 @@ def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str]) -> tuple[
 
     asyncio.run(ask())
     reply = dns.message.from_wire(dpkt.ethernet.Ethernet(to_guest.frames[0]).data.data.data)
+    if attempts is not None:
+        attempts += flt.attempts
     return dns.rcode.to_text(reply.rcode()), sorted(r.address for rrset in reply.answer for r in rrset)
 
 
@@ -372,3 +376,29 @@ def test_dns_answers_only_reachable_addresses() -> None:
     world = NetworkRules.parse(internet=True)
     assert dns_answer(world, "rebind.example", ["127.0.0.1"]) == ("REFUSED", [])
     assert dns_answer(world, "b.example", ["93.184.216.34"]) == ("NOERROR", ["93.184.216.34"])
+
+
+def test_the_filter_remembers_what_it_refused() -> None:
+    """What an offline machine tried to reach is kept for the guard to ask (netfilter.attempts):
+    each refused destination once, by protocol, address and port, and refused name lookups."""
+    import dpkt
+
+    from rewind.engine.packetfilter import Filter
+
+    flt = Filter(NetworkRules.parse(internet=False), Captured(), Captured())
+
+    def send(proto: int, dst: bytes, data: dpkt.Packet) -> None:
+        ip = dpkt.ip.IP(src=bytes([10, 0, 2, 15]), dst=dst, p=proto, data=data)
+        eth = dpkt.ethernet.Ethernet(src=b"\x52\x54" + bytes(4), dst=b"\x52\x55" + bytes(4), data=ip)
+        flt.handle(bytes(eth))
+
+    syn = dpkt.tcp.TCP(sport=40000, dport=443, flags=dpkt.tcp.TH_SYN)
+    send(dpkt.ip.IP_PROTO_TCP, bytes([192, 0, 2, 7]), syn)
+    send(dpkt.ip.IP_PROTO_TCP, bytes([192, 0, 2, 7]), syn)  # a retry is the same attempt
+    send(dpkt.ip.IP_PROTO_UDP, bytes([198, 51, 100, 1]), dpkt.udp.UDP(sport=5000, dport=123))
+    send(dpkt.ip.IP_PROTO_UDP, bytes([255, 255, 255, 255]), dpkt.udp.UDP(sport=68, dport=67))  # broadcast
+    assert list(flt.attempts) == ["tcp 192.0.2.7:443", "udp 198.51.100.1:123"]
+    looked_up: list[str] = []
+    assert dns_answer(NetworkRules.parse(internet=False), "example.com", ["93.184.216.34"], looked_up) == \
+        ("REFUSED", [])
+    assert looked_up == ["dns example.com"]

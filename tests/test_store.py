@@ -36,6 +36,7 @@ from rewind.store import (
     StoreBusy,
     StoreError,
     UnknownCheckpoint,
+    durable,
     export_checkpoint,
     import_checkpoint,
 )
@@ -521,3 +522,40 @@ def test_open_refuses_missing_and_damaged_stores(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="is damaged: chunks missing"):
         Store.open(store.root)
 
+
+
+def test_a_durable_materialize_syncs_before_the_name_appears(store: Store, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches on disk trust a file because it exists: its data must be on disk before its name."""
+    blob = store.put_blob(BytesIO(os.urandom(3 * CS)))
+    events: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    def rename(a: str, b: str) -> None:
+        if Path(b).parent == tmp_path:  # not the store's own lock notes
+            events.append(f"rename {Path(b).name}")
+        real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    store.materialize(blob, tmp_path / "plain")
+    assert events == ["rename plain"]
+    events.clear()
+    store.materialize(blob, tmp_path / "cached", durable=True)
+    assert events == ["fsync", "rename cached"]
+
+
+def test_new_chunks_are_durable_before_they_are_named(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk in chunks/ is trusted whole: put_blob syncs the file system before renaming new
+    chunks into place, and again before it returns (so before any manifest names them)."""
+    events: list[str] = []
+    real_sync, real_rename = durable.sync_filesystem, os.rename
+    monkeypatch.setattr(store_module, "sync_filesystem", lambda p: (events.append("sync"), real_sync(p))[1])
+    def rename(a: str, b: str) -> None:
+        if "chunks" in Path(b).parts:  # not the store's own lock notes
+            events.append("rename")
+        real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    store.put_blob(BytesIO(os.urandom(2 * CS)))
+    assert events == ["sync", "rename", "rename", "sync"]
+    events.clear()
+    store.put_blob(BytesIO(bytes(2 * CS)))  # nothing new: nothing to sync
+    assert events == []

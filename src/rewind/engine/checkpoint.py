@@ -9,7 +9,9 @@ disk layers cost nothing in later checkpoints.
 Files a restore needs are kept materialised in local caches, named by the
 digest of their blob index, so a point restored twice (or restored right after
 it was taken here) is not unpacked again: memory images on tmpfs
-(`runtime/ram`), disk layers and device states under `$REWIND_HOME/cache`.
+(`runtime/ram`), disk layers and device states under `$REWIND_HOME/cache`. A
+cached file is trusted because it exists, so those on disk are fsync'ed before
+they get their cache name: after a power loss they are whole or absent.
 """
 
 from __future__ import annotations
@@ -62,12 +64,21 @@ def put_immutable(store: Store, caches: Caches, path: Path) -> BlobIndex:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     blob = store.put_blob(path)
+    _fsync(path)  # the cache below trusts it whole: QEMU wrote it without syncing
     key.parent.mkdir(parents=True, exist_ok=True)
     tmp = key.with_name(f".{key.name}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(blob.to_json()))
     os.replace(tmp, key)
     _link_into(path, layer_path(caches, blob))
     return blob
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _link_into(path: Path, dest: Path) -> None:
@@ -110,7 +121,8 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
             manifest = store.commit(machine, blobs, parent=parent, **common)
         except LookupError:  # the parent was deleted: a new history starts here
             manifest = store.commit(machine, blobs, parent=None, **common)
-    _link_into(state.ram, caches.ram / f"{blob_digest(blobs['ram'])}.ram")
+    _link_into(state.ram, caches.ram / f"{blob_digest(blobs['ram'])}.ram")  # tmpfs: gone whole on a crash
+    _fsync(state.devstate)
     _link_into(state.devstate, caches.devstate / blob_digest(blobs["devstate"]))
     return manifest
 
@@ -142,18 +154,18 @@ def layer_path(caches: Caches, blob: BlobIndex) -> Path:
 
 def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> SavedState:
     """The files to run a checkpoint, unpacked from the store where not cached."""
-    def cached(blob: BlobIndex, dest: Path) -> Path:
+    def cached(blob: BlobIndex, dest: Path, durable: bool = True) -> Path:
         try:
             # Just used: ramcache.trim leaves it alone for a while. Only the access time: the
             # modification time is part of a file's identity for put_immutable.
             os.utime(dest, ns=(time.time_ns(), dest.stat().st_mtime_ns))
         except FileNotFoundError:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            store.materialize(blob, dest)
+            store.materialize(blob, dest, durable=durable)
         return dest
 
     blobs = manifest.blobs
-    ram = cached(blobs["ram"], caches.ram / f"{blob_digest(blobs['ram'])}.ram")
+    ram = cached(blobs["ram"], caches.ram / f"{blob_digest(blobs['ram'])}.ram", durable=False)  # tmpfs
     devstate = cached(blobs["devstate"], caches.devstate / blob_digest(blobs["devstate"]))
     disks = [cached(blobs[f"disk.{i}"], layer_path(caches, blobs[f"disk.{i}"]))
              for i in range(manifest.meta["layers"])]

@@ -322,6 +322,12 @@ class Machine:
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
+    def network_attempts(self) -> list[str]:
+        """What it tried to reach and its network rules refused, since its QEMU started (see
+        netfilter.attempts)."""
+        self.check_alive()
+        return netfilter.attempts(self.path)
+
     @contextmanager
     def _launching(self, spec: VmSpec) -> Iterator[None]:
         """Start QEMU and, alongside it, the filter that enforces its network rules. The block

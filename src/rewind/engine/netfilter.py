@@ -46,15 +46,31 @@ def wait_ready(proc: subprocess.Popen, run_dir: Path) -> None:
 
 def update(run_dir: Path, rules: NetworkRules) -> None:
     """Give the running filter new rules; they apply to the next packet."""
+    _ask(run_dir, {"rules": rules.to_json()})
+
+
+def attempts(run_dir: Path) -> list[str]:
+    """What the machine tried to reach and its rules refused, since its QEMU started: "tcp
+    ADDRESS:PORT (a name it was looked up by)", "udp ...", "icmp ADDRESS", "dns NAME"."""
+    found = _ask(run_dir, {"attempts": True}).get("attempts")
+    if not isinstance(found, list) or not all(isinstance(a, str) for a in found):
+        raise RewindError(f"the network filter of {run_dir.name!r} answered nonsense about attempts")
+    return found
+
+
+def _ask(run_dir: Path, request: dict) -> dict:
+    """One request to the running filter over its control socket; its answer."""
     try:
         with connect_unix(run_dir / CONTROL, timeout=10) as sock:
-            sock.sendall(json.dumps({"rules": rules.to_json()}).encode() + b"\n")
+            sock.sendall(json.dumps(request).encode() + b"\n")
             reply = json.loads(sock.makefile("rb").readline() or b"{}")
     except (OSError, ValueError) as e:
         raise RewindError(f"the network filter of {run_dir.name!r} is not answering ({e}); "
                           f"its machine has no network until it is restarted") from e
-    if not reply.get("ok"):
-        raise RewindError(f"the network filter refused the rules: {reply.get('error', 'no reason given')}")
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        error = reply.get("error", "no reason given") if isinstance(reply, dict) else "no reason given"
+        raise RewindError(f"the network filter refused the request: {error}")
+    return reply
 
 
 def stop(run_dir: Path, tag: str) -> None:

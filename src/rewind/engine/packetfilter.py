@@ -43,6 +43,8 @@ DNS_TTL = 60
 HOST_CHECK_TTL = 10.0  # the host's own addresses can change (DHCP, new interfaces)
 MAX_NAMED_ADDRESSES = 4096  # the name map a guest's DNS questions fill is bounded
 MAX_DNS_IN_FLIGHT = 64  # questions past this are dropped, as a busy resolver would
+MAX_ATTEMPTS = 256  # distinct refused destinations remembered (see Filter.attempts)
+_PROTOCOLS = {dpkt.ip.IP_PROTO_TCP: "tcp", dpkt.ip.IP_PROTO_UDP: "udp", dpkt.ip.IP_PROTO_ICMP: "icmp"}
 _LENGTH = struct.Struct(">I")
 
 
@@ -83,6 +85,19 @@ class Filter:
         self.names: dict[ipaddress.IPv4Address, set[str]] = defaultdict(set)  # from our DNS answers
         self.host = HostAddresses()
         self.dns_in_flight = 0
+        # What the guest tried to reach and the rules refused, in order ("tcp 192.0.2.7:443",
+        # "dns example.com"): the guard asks a copy that ran an unknown program for it.
+        self.attempts: dict[str, None] = {}
+
+    def _attempted(self, what: str) -> None:
+        if len(self.attempts) < MAX_ATTEMPTS:
+            self.attempts[what] = None
+
+    def _refused_packet(self, ip: dpkt.ip.IP, dst: ipaddress.IPv4Address) -> str:
+        proto = _PROTOCOLS.get(ip.p, f"ip proto {ip.p}")
+        port = getattr(ip.data, "dport", None) if proto in ("tcp", "udp") else None
+        names = sorted(self.names.get(dst, ()))
+        return f"{proto} {dst}{'' if port is None else f':{port}'}{f' ({names[0]})' if names else ''}"
 
     def permits(self, address: ipaddress.IPv4Address, names: set[str] | tuple[str, ...] = ()) -> bool:
         return self.rules.permits(address, names, host=address in self.host)
@@ -136,6 +151,7 @@ class Filter:
         elif self.permits(dst, self.names.get(dst, ())):
             self._send(self.to_net, frame)
         else:
+            self._attempted(self._refused_packet(ip, dst))
             self._refuse(eth, ip)
 
     async def _answer_dns(self, eth: dpkt.ethernet.Ethernet, ip: dpkt.ip.IP) -> None:
@@ -166,6 +182,7 @@ class Filter:
             question = query.question[0]
             name = question.name.to_text(omit_final_dot=True)
             if not self.rules.permits_name(name):
+                self._attempted(f"dns {name}")
                 response.set_rcode(dns.rcode.REFUSED)
             elif question.rdtype in (dns.rdatatype.A, dns.rdatatype.ANY):
                 addresses = await self._resolve(name)
@@ -174,6 +191,7 @@ class Filter:
                 if addresses is None:
                     response.set_rcode(dns.rcode.NXDOMAIN)
                 elif addresses and not reachable:
+                    self._attempted(f"dns {name}")
                     response.set_rcode(dns.rcode.REFUSED)  # nothing it resolves to may be reached
                 elif reachable:
                     self._remember(name, reachable)
@@ -202,10 +220,12 @@ class Filter:
         return sorted({info[4][0] for info in infos})
 
     async def control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One JSON request: {"rules": ...} sets new rules; {"attempts": true} asks what was refused."""
         try:
             request = json.loads(await reader.readline())
-            self.rules = NetworkRules.from_json(request["rules"])
-            reply = {"ok": True}
+            if "rules" in request:
+                self.rules = NetworkRules.from_json(request["rules"])
+            reply = {"ok": True, **({"attempts": list(self.attempts)} if request.get("attempts") else {})}
         except Exception as e:  # noqa: BLE001 - the caller gets the reason; the filter runs on
             reply = {"ok": False, "error": str(e)}
         writer.write(json.dumps(reply).encode() + b"\n")

@@ -8,6 +8,11 @@ The classifier decides the path:
   if the step (and `verify`) pass;
 - external: it acts outside the machine, where nothing can take it back, so it is
   refused unless the caller allows it; then the machine is checkpointed first.
+
+A fork only because a program is in no table or rule is watched rather than guessed: it runs
+in an offline copy whose network filter records what it tries to reach. If it tried to
+reach anything, the copy goes and the step is treated as external: refused (Refused says
+where it tried to go) or, when allowed, run on the machine after a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ TRIAL_TIMEOUT = 600.0
 
 
 class Refused(RewindError):
-    """A guarded step was not run (it acts outside the machine and that was not allowed)."""
+    """A guarded step was not run, or not kept: it acts outside the machine (by the classifier,
+    or `attempted`: what it tried to reach from an offline copy) and that was not allowed."""
 
-    def __init__(self, message: str, decision: Decision) -> None:
+    def __init__(self, message: str, decision: Decision, attempted: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.decision = decision
+        self.attempted = attempted
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,20 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
         raise Refused(f"refused: {'; '.join(decision.reasons)}; it acts outside the machine, where no "
                       f"checkpoint can take it back (pass allow_external to run it anyway)", decision)
 
+    watched: Outcome | None = None  # the offline copy an unknown program ran in first
     if kind is Kind.FORK:
-        outcome = try_in_copy(engine, machine, store, command, verify, offline=offline, cwd=cwd,
-                              timeout=timeout or TRIAL_TIMEOUT)
-        return done("copy", outcome.step.result, outcome.verify.result if outcome.verify else None,
-                    undone=not outcome.passed, note=outcome.reason, outcome=outcome)
+        unknown = decision.unknown_programs
+        outcome = try_in_copy(engine, machine, store, command, verify, offline=offline or bool(unknown),
+                              cwd=cwd, timeout=timeout or TRIAL_TIMEOUT, watch=bool(unknown))
+        if not outcome.attempted:
+            return done("copy", outcome.step.result, outcome.verify.result if outcome.verify else None,
+                        undone=outcome.kept != "copy", note=outcome.reason, outcome=outcome)
+        if not allow_external:
+            raise Refused(f"refused: {', '.join(unknown)} tried to reach outside the machine from an offline "
+                          f"copy ({', '.join(outcome.attempted)}); the copy was thrown away (pass "
+                          f"allow_external to run it on the machine, after a checkpoint)", decision,
+                          outcome.attempted)
+        kind, watched = Kind.EXTERNAL, outcome  # it reaches outside: run it for real, after a checkpoint
 
     checkpoint = machine.checkpoint(store, labels={"auto": "before-external"}).id \
         if kind is Kind.EXTERNAL else None
@@ -108,7 +124,9 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
     if point is None:
         path = "checkpoint" if checkpoint else "direct"
         note = f"saved as {checkpoint[:12]} first" if checkpoint else "ran as is"
-        return done(path, step, checked, undone=False, note=note, checkpoint=checkpoint)
+        if watched is not None:
+            note = f"it tried to reach {', '.join(watched.attempted)} from an offline copy; {note}"
+        return done(path, step, checked, undone=False, note=note, checkpoint=checkpoint, outcome=watched)
     if passed:
         return done("git", step, checked, undone=False, note=f"{folder} recorded first; kept")
     failed = f"step {'timed out' if step.timed_out else f'exited with {step.exit_code}'}" if not step.ok \

@@ -59,6 +59,9 @@ class Outcome:
     verify: StepRun | None
     copy_name: str
     seconds: float
+    # With watch: what the step (or verify) tried to reach outside the machine and the copy's
+    # network filter refused; any makes the copy go, whatever the exit codes.
+    attempted: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         def run_json(run: StepRun | None) -> dict | None:
@@ -71,7 +74,7 @@ class Outcome:
                     "stdout": None if r is None else r.stdout, "stderr": None if r is None else r.stderr}
         return {"kept": self.kept, "passed": self.passed, "reason": self.reason, "log": self.log,
                 "step": run_json(self.step), "verify": run_json(self.verify), "copy": self.copy_name,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "attempted": list(self.attempted)}
 
 
 def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> StepRun:
@@ -98,8 +101,10 @@ def _log(*runs: StepRun | None) -> str:
 
 def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verify: str | None,
                 offline: bool = True, cwd: str | None = None,
-                timeout: float = DEFAULT_TIMEOUT) -> Outcome:
-    """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`."""
+                timeout: float = DEFAULT_TIMEOUT, watch: bool = False) -> Outcome:
+    """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`.
+    `watch`: the copy is not kept if it tried to reach anything its rules refused (the guard,
+    for programs it does not know); Outcome.attempted says what."""
     from rewind.guard.classify import checked_command  # its parser: 40 ms to load
 
     step = checked_command(step, "the step")
@@ -118,16 +123,19 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
         passed = ran.ok and (checked is None or checked.ok)
-        if passed:
+        attempted = tuple(copy.network_attempts()) if watch else ()
+        if passed and not attempted:
             engine.replace(machine, copy)
             reason = "step passed" + (" and verify passed" if checked else "") + "; the copy is kept"
         else:
             copy.delete()
-            failed = ran.describe("step") if not ran.ok else checked.describe("verify")  # type: ignore[union-attr]
+            failed = f"it tried to reach outside the machine ({', '.join(attempted)})" if attempted \
+                else ran.describe("step") if not ran.ok else checked.describe("verify")  # type: ignore[union-attr]
             reason = f"{failed}; the original is kept, untouched"
     except BaseException:
         copy.delete()
         raise
-    return Outcome(kept="copy" if passed else "original", passed=passed, log=_log(ran, checked),
+    kept = passed and not attempted
+    return Outcome(kept="copy" if kept else "original", passed=passed, log=_log(ran, checked),
                    reason=reason, step=ran, verify=checked, copy_name=copy_name,
-                   seconds=time.monotonic() - started)
+                   seconds=time.monotonic() - started, attempted=attempted)

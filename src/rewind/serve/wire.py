@@ -58,6 +58,7 @@ def problem(exc: errors.RewindError) -> dict[str, Any]:
                             "detail": str(exc)}
     if isinstance(exc, Refused):
         body["decision"] = exc.decision.to_json()
+        body["attempted"] = list(exc.attempted)
     return body
 
 
@@ -75,6 +76,7 @@ def error_from(body: dict[str, Any], status: int) -> errors.RewindError:
     errors.RewindError.__init__(exc, detail)
     if isinstance(exc, Refused):
         exc.decision = decision_from(body.get("decision") or {"kind": "external", "reasons": []})
+        exc.attempted = tuple(body.get("attempted") or ())
     return exc
 
 
@@ -120,7 +122,8 @@ def outcome_from(d: dict[str, Any]) -> Outcome:
     step = _run_from(d["step"])
     assert step is not None
     return Outcome(kept=d["kept"], passed=d["passed"], log=d["log"], reason=d["reason"], step=step,
-                   verify=_run_from(d["verify"]), copy_name=d["copy"], seconds=d["seconds"])
+                   verify=_run_from(d["verify"]), copy_name=d["copy"], seconds=d["seconds"],
+                   attempted=tuple(d.get("attempted", ())))
 
 
 def guarded_from(d: dict[str, Any]) -> GuardedResult:

@@ -381,11 +381,13 @@ class Store:
 
     # -- reading --------------------------------------------------------------------------
 
-    def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str]) -> None:
+    def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str], durable: bool = False) -> None:
         """Write a blob to `dest`, leaving zero chunks as holes, checking every chunk against
         its hash. On any error (CorruptChunk names the chunk) no file is left at `dest`:
-        the data goes to a temporary file beside it, renamed into place at the end. It is not
-        fsync'ed: it can always be made again from the store."""
+        the data goes to a temporary file beside it, renamed into place at the end.
+
+        `durable`: its data is fsync'ed before the rename, for a caller that trusts a file at
+        `dest` because it exists (a cache): after a crash it is then whole or absent."""
         dest = Path(dest)
         with os_errors(f"write {dest}"), self.lock(operation="materialize"):
             tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
@@ -403,6 +405,8 @@ class Store:
                 with worker_pool() as pool:
                     list(pool.map(place, [(i, h) for i, h in enumerate(blob.chunks) if h]))
                 os.ftruncate(fd, blob.size)
+                if durable:
+                    os.fsync(fd)
             except BaseException:
                 os.close(fd)
                 tmp.unlink(missing_ok=True)
