@@ -12,7 +12,7 @@ from rewind import Home
 
 
 def test_start_exec_cp_ls_stop_rm(home: Home, tmp_path: Path) -> None:
-    r = rewind_cli("start", "cli-box", "--label", "who=cli", "--json")
+    r = rewind_cli("start", "cli-box", "--label", "who=cli", "--label", "note=[/bold]", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["status"] == "running"
 
@@ -35,8 +35,10 @@ def test_start_exec_cp_ls_stop_rm(home: Home, tmp_path: Path) -> None:
     assert (tmp_path / "out.bin").read_bytes() == src.read_bytes()
 
     listed = json.loads(rewind_cli("ls", "--json").stdout)
-    assert [(m["name"], m["status"], m["labels"]) for m in listed] == [("cli-box", "running", {"who": "cli"})]
-    assert b"cli-box" in rewind_cli("ls").stdout
+    assert [(m["name"], m["status"], m["labels"]) for m in listed] == \
+        [("cli-box", "running", {"who": "cli", "note": "[/bold]"})]
+    table = rewind_cli("ls")
+    assert table.returncode == 0 and b"cli-box" in table.stdout and b"note=[/bold]" in table.stdout
 
     assert rewind_cli("stop", "cli-box").returncode == 0
     assert json.loads(rewind_cli("ls", "--json").stdout)[0]["status"] == "stopped"
@@ -61,6 +63,7 @@ def test_errors_are_one_line_without_traceback(home: Home) -> None:
     _one_line_error(rewind_cli("cp", "a", "b"), "NAME:/absolute/path")
     _one_line_error(rewind_cli("rm", "nobody"), "no machine named")
     _one_line_error(rewind_cli("start", "x", "--label", "novalue"), "KEY=VALUE")
+    _one_line_error(rewind_cli("log", "~" + "9" * 5000), "reference of 5001 characters names nothing")
 
 
 def test_doctor_reports_accel_qemu_and_image(home: Home) -> None:

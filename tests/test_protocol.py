@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import rewind.engine.agent as agent_module
 from rewind.engine.agent import AgentClient
-from rewind.errors import AgentGone
-from rewind.guest.protocol import MAGIC, Decoder, encode
+from rewind.errors import AgentError, AgentGone
+from rewind.guest.protocol import _PREFIX, MAGIC, Decoder, encode
 
 headers = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=20)), max_size=4)
 frames = st.lists(st.tuples(headers, st.binary(max_size=3000)), min_size=1, max_size=8)
@@ -142,3 +142,23 @@ def test_a_write_waits_for_a_guest_slow_to_read(tmp_path: Path, monkeypatch) -> 
         client.write_file("/root/big", io.BytesIO(bytes(16 << 20)))
     agent.close()
     assert got[-1] == "end" and got.count("data") > 1
+
+
+def test_a_deeply_nested_header_is_skipped_like_garbage() -> None:
+    nested = b"[" * 5000 + b"]" * 5000
+    frame = _PREFIX.pack(MAGIC, len(nested), 0) + nested
+    dec = Decoder()
+    dec.feed(frame + encode({"t": "after"}))
+    assert dec.next() == ({"t": "after"}, b"")
+
+
+@pytest.mark.parametrize("exit_header", [{"t": "exit", "code": "7"}, {"t": "exit", "code": True},
+                                         {"t": "exit"}, {"t": "exit", "code": 0, "truncated": 5}])
+def test_a_malformed_exit_from_the_guest_is_an_agent_error(tmp_path: Path, exit_header: dict) -> None:
+    def script(conn, _request, _rest) -> None:
+        conn.sendall(encode(exit_header))
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    with AgentClient(tmp_path / "a.sock") as client, pytest.raises(AgentError, match="malformed exit"):
+        client.exec(["true"])
+    agent.close()

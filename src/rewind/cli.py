@@ -377,6 +377,7 @@ def ls(labels: tuple[str, ...], as_json: bool) -> None:
         emit_json([dataclasses.asdict(i) for i in infos])
         return
     from rich.console import Console
+    from rich.markup import escape  # labels are the user's text, not markup
     from rich.table import Table
 
     table = Table(box=None)
@@ -384,8 +385,9 @@ def ls(labels: tuple[str, ...], as_json: bool) -> None:
         table.add_column(column)
     for i in infos:
         style = {"running": "green", "dead": "red"}.get(i.status, "")
+        labels = escape(",".join(f"{k}={v}" for k, v in i.labels.items()))
         table.add_row(i.name, f"[{style}]{i.status}[/]" if style else i.status, f"{i.memory_mib}M",
-                      str(i.cpus), str(i.pid or "-"), ",".join(f"{k}={v}" for k, v in i.labels.items()))
+                      str(i.cpus), str(i.pid or "-"), labels)
     Console().print(table)
 
 
@@ -439,13 +441,21 @@ def _store(store_dir: str | None) -> Store:
     return open_store(engine.home, store_dir)
 
 
+def _is_file(text: str) -> bool:
+    """Whether `text` names a file here (a checkpoint file); a text too long for a path does not."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
+
+
 def _source(source: str) -> str | CheckpointManifest:
     """A checkpoint file (-o) read, a machine's last point, or a checkpoint reference as given."""
     from rewind.engine import pending
     from rewind.store import CheckpointManifest
 
     path = Path(source)
-    if path.is_file():
+    if _is_file(source):
         try:
             return CheckpointManifest.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError) as e:
@@ -472,6 +482,7 @@ def _checkpoint_json(c: Checkpoint) -> dict:
 
 def _print_points(points: list[Checkpoint]) -> None:
     from rich.console import Console
+    from rich.markup import escape  # names and labels are the user's text, not markup
     from rich.table import Table
 
     table = Table(box=None)
@@ -479,8 +490,8 @@ def _print_points(points: list[Checkpoint]) -> None:
         table.add_column(column)
     for c in points:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
-        table.add_row(c.ref, c.id[:12], c.name or "", created, f"{c.own_bytes / (1 << 20):.1f} MiB",
-                      ",".join(f"{k}={v}" for k, v in c.labels.items()))
+        table.add_row(c.ref, c.id[:12], escape(c.name or ""), created, f"{c.own_bytes / (1 << 20):.1f} MiB",
+                      escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
     Console().print(table)
 
 
@@ -530,7 +541,7 @@ def log_(source: str, store_dir: str | None, as_json: bool) -> None:
     """History of a machine or a checkpoint file, newest first (~0, ~1, ...)."""
     from rewind.sandbox import history_of
 
-    if _remote() is not None and not Path(source).is_file():
+    if _remote() is not None and not _is_file(source):
         points = _sandbox(source, store_dir).history()
     else:
         points = history_of(_point(_store(store_dir), source))
@@ -567,7 +578,7 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
     from rewind.sandbox import open_store
 
     remote, wanted = _remote(), parse_pairs(labels, "--label")
-    if remote is not None and not Path(source).is_file():
+    if remote is not None and not _is_file(source):
         info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
         engine = Engine()  # a point not yet stored runs from its capture: no settle here
@@ -924,7 +935,8 @@ def main() -> None:
         click.echo(f"rewind: error: {e}", err=True)
         sys.exit(1)
     except OSError as e:
-        click.echo(f"rewind: error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", err=True)
+        where = f": {str(e.filename)[:200]}" if e.filename else ""
+        click.echo(f"rewind: error: {e.strerror or e}{where}", err=True)
         sys.exit(1)
     except Exception as e:  # a bug of ours: still one line, the traceback on request
         if os.environ.get("REWIND_DEBUG"):

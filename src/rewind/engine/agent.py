@@ -23,6 +23,11 @@ HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
 HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
 
 
+def _is_int(value: object) -> bool:
+    """A whole number as JSON gives it (bool is an int to Python, not to the protocol)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class ExecResult:
     """What a command did. A non-zero exit is a result, not an error."""
@@ -179,7 +184,10 @@ class AgentClient:
                 self._alive()
                 raise AgentGone("the guest agent did not answer a ping")
             if header.get("t") == "pong" and header.get("id") == beat:
-                return float(header.get("uptime", 0.0))
+                uptime = header.get("uptime", 0.0)
+                if not isinstance(uptime, int | float) or isinstance(uptime, bool):
+                    raise AgentError("the guest agent sent a malformed uptime")
+                return float(uptime)
 
     def _reply_of(self, kind: str) -> tuple[dict, bytes]:
         header, payload = self._reply()
@@ -218,8 +226,10 @@ class AgentClient:
                     chunks[fd].append(tail)
                     if callbacks[fd] and tail:
                         callbacks[fd](tail)
-                truncated = header.get("truncated", [False, False])
-                return ExecResult(exit_code=int(header["code"]), stdout="".join(chunks[1]),
+                code, truncated = header.get("code"), header.get("truncated", [False, False])
+                if not _is_int(code) or not (isinstance(truncated, list) and len(truncated) == 2):
+                    raise AgentError(f"the guest agent sent a malformed exit: code {str(code)[:40]!r}")
+                return ExecResult(exit_code=code, stdout="".join(chunks[1]),
                                   stderr="".join(chunks[2]), timed_out=bool(header.get("timed_out")),
                                   stdout_truncated=bool(truncated[0]), stderr_truncated=bool(truncated[1]))
             else:
@@ -229,7 +239,9 @@ class AgentClient:
         """Copy a guest file into `sink`; returns its mode bits."""
         self._request({"t": "read", "path": path})
         header, _ = self._reply_of("file")
-        mode = int(header.get("mode", 0o644))
+        mode = header.get("mode", 0o644)
+        if not _is_int(mode) or not 0 <= mode <= 0o7777:
+            raise AgentError(f"the guest agent sent a malformed file mode {str(mode)[:40]!r}")
         while True:
             header, payload = self._reply()
             if header.get("t") == "data":

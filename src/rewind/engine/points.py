@@ -19,8 +19,8 @@ from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.snapshot import SavedState
 from rewind.home import Home
 from rewind.store import BadRef, CheckpointManifest, Store, UnknownCheckpoint
+from rewind.store.model import BACK_REF, check_ref
 
-_BACK = re.compile(r"(.*)~(\d+)")
 _ID_PREFIX = re.compile(r"[0-9a-f]{8,32}")
 
 
@@ -66,7 +66,7 @@ def locate(home: Home, store: Store, ref: str | CheckpointManifest,
     caches = Caches.of(home.root, home.runtime)
     if isinstance(ref, CheckpointManifest):
         return _stored(home, store, caches, ref)
-    back = _BACK.fullmatch(ref) if isinstance(ref, str) else None
+    back = BACK_REF.fullmatch(check_ref(ref))
     if back is None:
         return _exact(home, store, caches, ref)
     start, steps = back.group(1), int(back.group(2))

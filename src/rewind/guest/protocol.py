@@ -52,7 +52,7 @@ class Decoder:
                 header = json.loads(bytes(self._buf[PREFIX_SIZE : PREFIX_SIZE + hlen]))
                 if not isinstance(header, dict):
                     raise ValueError("header is not an object")
-            except ValueError:
+            except (ValueError, RecursionError):  # deep nesting is refused like any bad header
                 self._skip()
                 continue
             payload = bytes(self._buf[PREFIX_SIZE + hlen : end])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rewind.errors import InvalidArgument
+from rewind.store.errors import BadRef
 
 FORMAT = 1
 # What a manifest's blob indexes may expand to, all its points together (a pointer each): a
@@ -28,6 +29,20 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ID_LIKE = re.compile(r"[0-9a-fA-F]{8,}")
 
 DEFAULT_HISTORY = 32  # ancestors a manifest lists, for history and diff without the store
+# `REF~N` or `~N`: N points back. Six digits at most: far past any history, and a longer run
+# of digits is no count (Python refuses to read an int of more than 4,300 digits).
+BACK_REF = re.compile(r"(.*)~(\d{1,6})")
+MAX_REF = 80  # a name (63) or an id (32), and a count back
+
+
+def check_ref(ref: object) -> str:
+    """`ref` if it can be a checkpoint reference (see Store.get); BadRef otherwise, shortened."""
+    if not isinstance(ref, str) or not ref:
+        raise BadRef(f"a checkpoint reference must be a non-empty string, not {str(ref)[:40]!r}")
+    if len(ref) > MAX_REF:
+        raise BadRef(f"a checkpoint reference of {len(ref)} characters names nothing "
+                     f"({ref[:20]!r}...): names have at most 63")
+    return ref
 
 
 def validate_name(name: str, what: str) -> str:

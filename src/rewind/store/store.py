@@ -50,10 +50,12 @@ from rewind.store.durable import fsync_dir, os_errors, sync_filesystem, write_tm
 from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
 from rewind.store.locks import live_holders, names_lock, store_lock
 from rewind.store.model import (
+    BACK_REF,
     DEFAULT_HISTORY,
     FORMAT,
     BlobIndex,
     CheckpointManifest,
+    check_ref,
     validate_checkpoint_name,
     validate_labels,
     validate_name,
@@ -61,7 +63,6 @@ from rewind.store.model import (
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 _DIRS = ("chunks", "checkpoints", "locks", "tmp")
-_BACK = re.compile(r"(.*)~(\d+)")
 _HEX = re.compile(r"[0-9a-fA-F]+")
 
 Progress = Callable[[int, int | None], None]
@@ -324,9 +325,7 @@ class Store:
         least), or `~N`, the N-th point back along `relative_to`'s history (`~0` is itself);
         `REF~N` counts back from REF. A point whose manifest was deleted is rebuilt from the
         history kept in the newer one."""
-        if not isinstance(ref, str) or not ref:
-            raise BadRef(f"a checkpoint reference must be a non-empty string, not {ref!r}")
-        back = _BACK.fullmatch(ref)
+        back = BACK_REF.fullmatch(check_ref(ref))
         if back is None:
             return self._find(ref)
         start, n = back.group(1), int(back.group(2))
