@@ -378,6 +378,10 @@ def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> Non
     with cached.open("rb") as f:
         assert blake3.blake3(f.read()).hexdigest() == as_captured
     assert again.exec("sha256sum -c /root/pattern.sum").ok
+    # Guest memory and device state are the user's alone (issue 11: they were 0644, in a 0755 folder).
+    assert home.runtime.stat().st_mode & 0o777 == 0o700
+    private = [p for p in [*caches.ram.iterdir(), *caches.devstate.iterdir()] if p.is_file()]
+    assert private and [(p.name, oct(p.stat().st_mode)) for p in private if p.stat().st_mode & 0o077] == []
     # The chunks the second point took from the first are the first's own.
     first = Store.open(home.store).get(base.id).blobs["ram"]
     same = sum(a == b for a, b in zip(first.chunks, manifest.blobs["ram"].chunks, strict=True))

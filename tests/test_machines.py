@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +19,12 @@ from rewind import (
     MachineDied,
     MachineNotRunning,
     NotFound,
+    RewindError,
     Sandbox,
 )
 from rewind.engine import machine as machine_module
 from rewind.engine.machine import Engine
+from rewind.engine.memfiles import private_runtime
 from rewind.engine.qemu import process_alive
 from rewind.image import find_image, import_image
 
@@ -198,3 +201,19 @@ def test_an_imported_image_runs(home: Home, tmp_path, monkeypatch: pytest.Monkey
     assert sbx._machine.record.image_id == "mine"
     with pytest.raises(ImageError, match="no image named 'other'"):
         Sandbox.create("nope", image="other", home=own_home)
+
+
+def test_a_runtime_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    """/dev/shm/rewind-<hash> is a predictable name: another local user could make it first."""
+    ours = private_runtime(tmp_path / "ours")
+    assert ours.stat().st_mode & 0o777 == 0o700
+    os.chmod(ours, 0o755)
+    assert private_runtime(ours).stat().st_mode & 0o777 == 0o700  # made private again
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(RewindError, match="not a folder of this user's"):
+        private_runtime(theirs)
+    (tmp_path / "link").symlink_to(ours)
+    with pytest.raises(RewindError, match="not a folder of this user's"):
+        private_runtime(tmp_path / "link")

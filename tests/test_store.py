@@ -559,3 +559,14 @@ def test_new_chunks_are_durable_before_they_are_named(store: Store, monkeypatch:
     events.clear()
     store.put_blob(BytesIO(bytes(2 * CS)))  # nothing new: nothing to sync
     assert events == []
+
+
+def test_only_the_owner_reads_the_store(store: Store) -> None:
+    """Chunks and manifests hold guest memory: no group or other bits (nor on the store)."""
+    blob = store.put_blob(BytesIO(os.urandom(2 * CS)))
+    manifest = store.commit("m", {"ram": blob})
+    files = [store.root / "checkpoints" / f"{manifest.id}.json",
+             *(p for p in (store.root / "chunks").rglob("*") if p.is_file())]
+    assert len(files) == 3
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [*files, store.root]), \
+        [(p, oct(p.stat().st_mode)) for p in files]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import blake3
 
+from rewind.engine.memfiles import private_runtime
 from rewind.engine.snapshot import SavedState
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
 
@@ -164,6 +165,7 @@ def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> Save
             store.materialize(blob, dest, durable=durable)
         return dest
 
+    private_runtime(caches.ram.parent)
     blobs = manifest.blobs
     ram = cached(blobs["ram"], caches.ram / f"{blob_digest(blobs['ram'])}.ram", durable=False)  # tmpfs
     devstate = cached(blobs["devstate"], caches.devstate / blob_digest(blobs["devstate"]))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from rewind.engine import netfilter
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
-from rewind.engine.memfiles import blank_layer
+from rewind.engine.memfiles import blank_layer, private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
     AGENT_PORTS,
@@ -484,7 +484,7 @@ class Machine:
         from rewind.store import new_checkpoint_id
 
         home = self.engine.home
-        caches = Caches.of(home.root, home.runtime)
+        caches = Caches.of(home.root, private_runtime(home.runtime))
         for folder in (caches.ram, caches.devstate, caches.layers):
             folder.mkdir(parents=True, exist_ok=True)
         point_id = new_checkpoint_id()

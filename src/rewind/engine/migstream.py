@@ -315,7 +315,9 @@ def main(argv: list[str]) -> int:
     os.write(int(ready), b"r")
     os.close(int(ready))
     try:
-        with open(devstate_out, "wb") as dst:
+        # Only its owner may read a guest's device state, as its memory (0600).
+        out_fd = os.open(devstate_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(out_fd, "wb") as dst:
             result: dict = split_stream(source, block, int(ram_fd), dst).__dict__
     except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process
         result = {"error": f"{type(e).__name__}: {e}"}

@@ -20,7 +20,7 @@ def write_tmp(tmp_dir: Path, data: bytes, sync: bool = True) -> Path:
     """Write `data` to a new file in `tmp_dir` and fsync it (unless not `sync`: then the caller
     makes it durable with sync_filesystem); the caller renames it into place."""
     path = tmp_dir / f"{secrets.token_hex(8)}.tmp"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)  # only its owner reads
     try:
         view = memoryview(data)
         while view:

@@ -78,7 +78,7 @@ def live_holders(locks: Path) -> list[str]:
 def _wait(path: Path, exclusive: bool, timeout: float) -> int | None:
     """An fd holding a flock on `path`, or None if it was not free within `timeout` s."""
     deadline = time.monotonic() + timeout
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     while True:
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -99,7 +99,7 @@ def _note(locks: Path, exclusive: bool, operation: str) -> Iterator[None]:
     tmp, path = locks / f".{token}.tmp", locks / f"{token}.json"
     fd = None
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps({"operation": operation, "exclusive": exclusive, "pid": os.getpid(),
                                  "host": socket.gethostname(), "since": time.time()}).encode())

@@ -390,7 +390,7 @@ class Store:
         dest = Path(dest)
         with os_errors(f"write {dest}"), self.lock(operation="materialize"):
             tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 def place(item: tuple[int, str]) -> None:
                     i, h = item
@@ -559,6 +559,7 @@ def _create(root: Path, chunk_size: int) -> None:
     if root.exists() and not {p.name for p in root.iterdir()} <= set(_DIRS):
         raise StoreError(f"cannot make a checkpoint store at {root}: it exists and holds other files")
     with os_errors(f"make a checkpoint store at {root}"):
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)  # guest memory is in it
         for d in _DIRS:
             (root / d).mkdir(parents=True, exist_ok=True)
         for i in range(256):  # made once here, so that adding a chunk never needs a mkdir
