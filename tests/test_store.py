@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -570,3 +572,34 @@ def test_only_the_owner_reads_the_store(store: Store) -> None:
     assert len(files) == 3
     assert all(p.stat().st_mode & 0o077 == 0 for p in [*files, store.root]), \
         [(p, oct(p.stat().st_mode)) for p in files]
+
+
+FROZEN = Path(__file__).parent / "data" / "store-v1"  # made once by rewind at format 1; never rewritten
+
+
+def test_a_frozen_format_1_store_still_reads(tmp_path: Path) -> None:
+    """A store written at format 1 (docs/format.md) opens, checks clean, resolves its references
+    and gives back every blob byte for byte: a change to the format cannot slip by unnoticed.
+    Its checkpoints: "first" (a 448 KiB memory blob whose last 128 KiB are zeros, and a device
+    state) and "second" (its child: the same memory but for its second 64 KiB chunk)."""
+    root = tmp_path / "store"
+    shutil.copytree(FROZEN, root)
+    for folder in ("tmp", "locks"):  # git keeps no empty folders
+        (root / folder).mkdir(exist_ok=True)
+    store = Store.open(root)
+    report = store.check(read_data=True)
+    assert report.ok and (report.checkpoints, report.chunks) == (2, 7), report
+    second = store.get("second")
+    first_id = "59ff565fdec188a664fe087e27117d6e"
+    assert store.get("second~1").id == store.get("first").id == second.parent == first_id
+    assert (second.machine, second.labels, second.meta["ram_base"]) == ("frozen", {"step": "2"}, first_id)
+    assert [e.name for e in second.history] == ["first"]
+    expected = {("first", "ram"): "cf87d728de9c117017ce9dce95afac1c44a112b35728a908983b627309024cc9",
+                ("second", "ram"): "79ea5e325c6dc3946c6eabd8644aae13a7087d78d1e0efa982e30819df9a1601",
+                ("first", "devstate"): "5b681dbc303c2b187375eee64ff4e40ffa42325d4cb755ef43625e12fc330b06",
+                ("second", "devstate"): "5b681dbc303c2b187375eee64ff4e40ffa42325d4cb755ef43625e12fc330b06"}
+    for (ref, blob), digest in expected.items():
+        out = tmp_path / f"{ref}.{blob}"
+        store.materialize(store.get(ref).blobs[blob], out)
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == digest, (ref, blob)
+    assert store.get("first").blobs["ram"].chunks[-2:] == [None, None]  # zero chunks are not stored
