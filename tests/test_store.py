@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rewind.store.store as store_module
+from rewind.engine.checkpoint import Caches, commit_capture
+from rewind.engine.snapshot import SavedState
 from rewind.errors import InvalidArgument
 from rewind.store import (
     BadExport,
@@ -603,3 +605,20 @@ def test_a_frozen_format_1_store_still_reads(tmp_path: Path) -> None:
         store.materialize(store.get(ref).blobs[blob], out)
         assert hashlib.sha256(out.read_bytes()).hexdigest() == digest, (ref, blob)
     assert store.get("first").blobs["ram"].chunks[-2:] == [None, None]  # zero chunks are not stored
+
+
+def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:
+    """A committer killed after writing the manifest, before removing its journal, is run again
+    by the next reader: that second commit must find the point stored, not fail (which left
+    the journal in place and every store command failing with it)."""
+    store = Store.open(tmp_path / "store", create=True)
+    caches = Caches.of(tmp_path / "home", tmp_path / "runtime")
+    (tmp_path / "ram").write_bytes(os.urandom(128 << 10))
+    (tmp_path / "devstate").write_bytes(b"devices")
+    state = SavedState(ram=tmp_path / "ram", devstate=tmp_path / "devstate", disks=[])
+    point_id = "0123456789abcdef0123456789abcdef"
+    first = commit_capture(store, caches, point_id, state, machine="m", parent=None, name="p", labels=None,
+                           meta={})
+    again = commit_capture(store, caches, point_id, state, machine="m", parent=None, name="p", labels=None,
+                           meta={})
+    assert again.id == first.id == point_id and [m.id for m in store.list()] == [point_id]

@@ -108,6 +108,10 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
     differ here. With `ram_changed`, the chunks that may differ from checkpoint `ram_base`'s
     memory (see pagemap.py), only those are read at all; the others are `ram_base`'s."""
     with store.lock():
+        try:  # committed before: a committer killed after its manifest, before its journal went
+            return store.get(checkpoint_id)
+        except LookupError:
+            pass
         known, unchanged = _unchanged_ram(store, state.ram, ram_base, ram_changed)
         if known is not None:
             meta = {**meta, "ram_base": ram_base}  # where its unchanged memory was taken from
