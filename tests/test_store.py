@@ -622,3 +622,16 @@ def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:
     again = commit_capture(store, caches, point_id, state, machine="m", parent=None, name="p", labels=None,
                            meta={})
     assert again.id == first.id == point_id and [m.id for m in store.list()] == [point_id]
+
+
+def test_history_is_shortened_to_what_a_reader_accepts(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big machine's 32 points back would pass the chunks a manifest may hold; the writer keeps
+    the newest that fit instead of writing a manifest every reader refuses as damaged."""
+    monkeypatch.setattr(store_module.model, "MAX_MANIFEST_CHUNKS", 10)
+    parent = None
+    for i in range(4):
+        blob = store.put_blob(BytesIO(os.urandom(4 * CS)))  # 4 chunks each
+        parent = store.commit("big", {"ram": blob}, parent=parent, name=f"p{i}")
+    assert [e.name for e in store.get("p3").history] == ["p2"]  # 4 + 4 fit in 10, 4 + 8 do not
+    with pytest.raises(InvalidArgument, match="more than a manifest holds"):
+        store.commit("big", {"ram": store.put_blob(BytesIO(os.urandom(11 * CS)))})

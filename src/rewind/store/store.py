@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from rewind.errors import InvalidArgument
+from rewind.store import model
 from rewind.store.disk import (
     MAX_CHUNK_SIZE,
     WORKERS,
@@ -276,7 +277,7 @@ class Store:
                 id=checkpoint_id or new_checkpoint_id(), name=name, machine=machine,
                 parent=base.id if base else None,
                 created=time.time(), labels=labels, blobs=dict(blobs), meta=meta, own_bytes=0,
-                history=[base.entry(), *base.history][:history] if base else [])
+                history=_fitting(blobs, [base.entry(), *base.history][:history] if base else []))
             # Chunks its parent holds are safe from gc (the parent refers to them); only the
             # others are checked to be there, and they are the checkpoint's own data.
             inherited = base.hashes() if base else set()
@@ -550,6 +551,26 @@ class Store:
             with suppress(StoreError):
                 out.append(self._load_manifest(path))
         return sorted(out, key=lambda m: (m.created, m.id))
+
+
+def _fitting(blobs: dict[str, BlobIndex], history: list[model.HistoryEntry]) -> list[model.HistoryEntry]:
+    """As much of `history`, newest first, as a reader accepts in one manifest beside `blobs`
+    (model.MAX_MANIFEST_CHUNKS): a 16 GiB machine's 32 points back would be 33 x 262,144
+    memory chunks, past it, and its manifest would then be refused as damaged."""
+    def size(of: dict[str, BlobIndex]) -> int:
+        return sum(model.chunk_count(b.size, b.chunk_size) for b in of.values())
+
+    room = model.MAX_MANIFEST_CHUNKS - size(blobs)
+    if room < 0:
+        raise InvalidArgument(f"a checkpoint of {size(blobs)} chunks is more than a manifest holds "
+                              f"({model.MAX_MANIFEST_CHUNKS}): use larger chunks")
+    kept = []
+    for entry in history:
+        room -= size(entry.blobs)
+        if room < 0:
+            break
+        kept.append(entry)
+    return kept
 
 
 def _create(root: Path, chunk_size: int) -> None:
