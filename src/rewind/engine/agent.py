@@ -14,6 +14,7 @@ from typing import BinaryIO
 from rewind.engine.unixsock import connect_unix
 from rewind.errors import AgentError, AgentGone, GuestFileError, InvalidArgument
 from rewind.guest.protocol import CHUNK, Decoder, encode
+from rewind.store.model import is_int
 
 # Resend hello after 50 ms, doubling up to 1 s: rarely (about 3% of sessions here) the first
 # one goes unanswered, and another wakes the agent.
@@ -21,11 +22,6 @@ HELLO_RETRY_FIRST = 0.05
 HELLO_RETRY_MAX = 1.0
 HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
 HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
-
-
-def _is_int(value: object) -> bool:
-    """A whole number as JSON gives it (bool is an int to Python, not to the protocol)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -227,7 +223,7 @@ class AgentClient:
                     if callbacks[fd] and tail:
                         callbacks[fd](tail)
                 code, truncated = header.get("code"), header.get("truncated", [False, False])
-                if not _is_int(code) or not (isinstance(truncated, list) and len(truncated) == 2):
+                if not is_int(code) or not (isinstance(truncated, list) and len(truncated) == 2):
                     raise AgentError(f"the guest agent sent a malformed exit: code {str(code)[:40]!r}")
                 return ExecResult(exit_code=code, stdout="".join(chunks[1]),
                                   stderr="".join(chunks[2]), timed_out=bool(header.get("timed_out")),
@@ -240,7 +236,7 @@ class AgentClient:
         self._request({"t": "read", "path": path})
         header, _ = self._reply_of("file")
         mode = header.get("mode", 0o644)
-        if not _is_int(mode) or not 0 <= mode <= 0o7777:
+        if not is_int(mode) or not 0 <= mode <= 0o7777:
             raise AgentError(f"the guest agent sent a malformed file mode {str(mode)[:40]!r}")
         while True:
             header, payload = self._reply()

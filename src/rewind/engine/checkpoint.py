@@ -28,6 +28,7 @@ import blake3
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.snapshot import SavedState
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
+from rewind.store.durable import fsync_file
 
 # Memory is cut finer than disks: a guest changes scattered pages, and between two points
 # 1 MiB of file changes apart here 3.2 MiB of pages differed, which touched 31 MiB of
@@ -65,21 +66,13 @@ def put_immutable(store: Store, caches: Caches, path: Path) -> BlobIndex:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     blob = store.put_blob(path)
-    _fsync(path)  # the cache below trusts it whole: QEMU wrote it without syncing
+    fsync_file(path)  # the cache below trusts it whole: QEMU wrote it without syncing
     key.parent.mkdir(parents=True, exist_ok=True)
     tmp = key.with_name(f".{key.name}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(blob.to_json()))
     os.replace(tmp, key)
     _link_into(path, layer_path(caches, blob))
     return blob
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _link_into(path: Path, dest: Path) -> None:
@@ -127,7 +120,7 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
         except LookupError:  # the parent was deleted: a new history starts here
             manifest = store.commit(machine, blobs, parent=None, **common)
     _link_into(state.ram, caches.ram / f"{blob_digest(blobs['ram'])}.ram")  # tmpfs: gone whole on a crash
-    _fsync(state.devstate)
+    fsync_file(state.devstate)
     _link_into(state.devstate, caches.devstate / blob_digest(blobs["devstate"]))
     return manifest
 

@@ -58,7 +58,7 @@ from rewind.errors import (
 from rewind.home import Home
 from rewind.store.durable import replace_durably
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
-from rewind.store.model import DEFAULT_HISTORY, validate_checkpoint_name
+from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
 
 # What only creating, checkpointing and restoring use is imported where it is used: a
 # command that runs something in a machine (`rewind exec`) then starts in 0.13 s, not 0.3.
@@ -125,10 +125,6 @@ def _trim_images(home: Home) -> None:
     from rewind.engine import pending
 
     pending.trim_images(home)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _hostname(name: str) -> str:
@@ -782,9 +778,9 @@ class Engine:
         memory, cpus, disk, accel = (meta.get(k) for k in ("memory_mib", "cpus", "disk_size_mib", "accel"))
         host_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
         problems = [what for what, ok in (
-            ("memory", _is_count(memory) and MIN_MEMORY_MIB <= memory <= host_mib),
-            ("vCPUs", _is_count(cpus) and 1 <= cpus <= MAX_CPUS),
-            ("disk size", _is_count(disk) and 0 < disk <= MAX_DISK_MIB),
+            ("memory", is_int(memory) and MIN_MEMORY_MIB <= memory <= host_mib),
+            ("vCPUs", is_int(cpus) and 1 <= cpus <= MAX_CPUS),
+            ("disk size", is_int(disk) and 0 < disk <= MAX_DISK_MIB),
             ("accelerator", accel in ACCELS)) if not ok]
         if problems:
             raise InvalidArgument(f"checkpoint {point_id[:12]} describes a machine rewind cannot run: "

@@ -87,6 +87,15 @@ def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> S
         return StepRun(command, None, str(e))
 
 
+def _attempts(copy: Machine) -> tuple[str, ...]:
+    """What the copy tried to reach; nothing known if the step killed it (its filter ends with
+    its QEMU), and then it is not kept anyway: the step failed."""
+    try:
+        return tuple(copy.network_attempts())
+    except RewindError:
+        return ()
+
+
 def _log(*runs: StepRun | None) -> str:
     parts = []
     for run in runs:
@@ -123,7 +132,7 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
         passed = ran.ok and (checked is None or checked.ok)
-        attempted = tuple(copy.network_attempts()) if watch else ()
+        attempted = _attempts(copy) if watch else ()
         if passed and not attempted:
             engine.replace(machine, copy)
             reason = "step passed" + (" and verify passed" if checked else "") + "; the copy is kept"

@@ -119,7 +119,7 @@ class BlobIndex:
         """Inverse of to_json; raises ValueError on anything malformed (hashes name files, so
         each is checked). `budget` ([chunks left]) bounds what several blobs may expand to."""
         size, chunk_size = data["size"], data["chunk_size"]
-        if not (_is_int(size) and size >= 0 and _is_int(chunk_size) and chunk_size > 0
+        if not (is_int(size) and size >= 0 and is_int(chunk_size) and chunk_size > 0
                 and chunk_size % CHUNK_SIZE_STEP == 0):
             raise ValueError("bad blob size or chunk size")
         count = chunk_count(size, chunk_size)
@@ -132,13 +132,13 @@ class BlobIndex:
                 raise ValueError("blob changes without a matching newer blob")
             chunks = (base.chunks + [None] * count)[:count]
             for i, h in data["changed"]:
-                if not (_is_int(i) and 0 <= i < count):
+                if not (is_int(i) and 0 <= i < count):
                     raise ValueError(f"chunk index {i!r} out of range")
                 chunks[i] = None if h is None else _check_hash(h)
         else:
             chunks = []
             for item in data["chunks"]:
-                if _is_int(item) and 0 < item <= count - len(chunks):
+                if is_int(item) and 0 < item <= count - len(chunks):
                     chunks.extend([None] * item)
                 else:
                     chunks.append(_check_hash(item))
@@ -225,7 +225,7 @@ def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex], budget: 
         raise ValueError(f"bad checkpoint id {data['id']!r}")
     if data["parent"] is not None and not (isinstance(data["parent"], str) and ID.fullmatch(data["parent"])):
         raise ValueError(f"bad parent id {data['parent']!r}")
-    if not isinstance(data["created"], int | float) or not _is_int(data["own_bytes"]):
+    if not isinstance(data["created"], int | float) or not is_int(data["own_bytes"]):
         raise ValueError("bad creation time or size")
     if not isinstance(data["meta"], dict) or not isinstance(data["blobs"], dict):
         raise ValueError("bad meta or blobs")
@@ -242,7 +242,8 @@ def _entry_from_json(data: dict[str, Any], newer: dict[str, BlobIndex], budget: 
                         own_bytes=data["own_bytes"])
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """A whole number as JSON gives it (bool is an int to Python, not to JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
