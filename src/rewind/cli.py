@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
+    from rewind.engine.machine import Engine
     from rewind.sandbox import Checkpoint, Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, Store
@@ -77,6 +78,12 @@ def progress(enabled: bool) -> Iterator[Callable[[str], None]]:
             console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {step}")
             status.update(step)
         yield report
+
+
+def _engine() -> Engine:
+    from rewind.engine.machine import Engine
+
+    return Engine()
 
 
 def _remote() -> Remote | None:
@@ -136,7 +143,7 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
 
     remote = _remote()
     maker: Sandbox | Remote = Sandbox if remote is None else remote  # type: ignore[assignment]
-    existing = {m.name for m in (Engine().list() if remote is None else remote.list())}
+    existing = {m.name for m in (_engine().list() if remote is None else remote.list())}
     with progress(not as_json) as report:
         if name in existing:
             sbx = _sandbox(name)
@@ -372,7 +379,7 @@ def cp(source: str, dest: str, as_json: bool) -> None:
 def ls(labels: tuple[str, ...], as_json: bool) -> None:
     """List machines and their status (running, stopped, dead)."""
     remote, wanted = _remote(), parse_pairs(labels, "--label")
-    infos = [m.info() for m in (Engine().list(wanted) if remote is None else remote.list(wanted))]
+    infos = [m.info() for m in (_engine().list(wanted) if remote is None else remote.list(wanted))]
     if as_json:
         emit_json([dataclasses.asdict(i) for i in infos])
         return
@@ -436,7 +443,7 @@ def _store(store_dir: str | None) -> Store:
     """The store, with every checkpoint still being stored in it (see engine/pending.py)."""
     from rewind.sandbox import open_store
 
-    engine = Engine()
+    engine = _engine()
     engine.settle()
     return open_store(engine.home, store_dir)
 
@@ -461,7 +468,7 @@ def _source(source: str) -> str | CheckpointManifest:
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument(f"{source} is not a checkpoint file ({e})") from e
     try:
-        machine = Engine().get(source)
+        machine = _engine().get(source)
     except (InvalidArgument, NotFound):
         return source
     parent = pending.surviving(machine.engine.home, machine.record.parent)
@@ -581,7 +588,7 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
     if remote is not None and not _is_file(source):
         info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
-        engine = Engine()  # a point not yet stored runs from its capture: no settle here
+        engine = _engine()  # a point not yet stored runs from its capture: no settle here
         info = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
                                   labels=wanted, at=at).info()
     if as_json:
@@ -602,7 +609,7 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
     names: list[str | None] = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
     remote = _remote()
     if remote is None:
-        engine = Engine()
+        engine = _engine()
         made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
     else:
         made = [child.info() for child in remote.get(source).fork_many(names=names)]
@@ -731,7 +738,7 @@ def image_build(force: bool, as_json: bool) -> None:
     """Build the default guest image (Debian packages) and its booted template."""
     from rewind.image import build_image
 
-    engine = Engine()
+    engine = _engine()
     started = time.monotonic()
     with progress(not as_json) as report:
         built = build_image(engine.home.images, force=force, report=report)
@@ -760,7 +767,7 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) 
     """
     from rewind.image import import_image
 
-    imported = import_image(Engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
+    imported = import_image(_engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
     if as_json:
         emit_json({"id": imported.id, "path": str(imported.path), "disk_size_mib": imported.disk_size_mib})
     else:
@@ -776,7 +783,7 @@ def image_ls(as_json: bool) -> None:
     default = recipe_id()
     rows = [{"id": i.id, "default": i.id == default, "kernel": i.kernel_version,
              "disk_size_mib": i.disk_size_mib, "path": str(i.path)}
-            for i in list_images(Engine().home.images)]
+            for i in list_images(_engine().home.images)]
     if as_json:
         emit_json(rows)
         return
@@ -819,7 +826,7 @@ def doctor(as_json: bool) -> None:
     from rewind.engine.template import find_template
     from rewind.image import find_image, recipe_id
 
-    engine = Engine()
+    engine = _engine()
     qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
     report: dict[str, Any] = {
         "home": str(engine.home.root),
@@ -855,7 +862,7 @@ def demo(keep: bool) -> None:
     from rewind.image import build_image
     from rewind.sandbox import Sandbox
 
-    engine = Engine()
+    engine = _engine()
     with progress(True) as report:
         build_image(engine.home.images, report=report)
         engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report=report)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import ExecResult
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
+from rewind.engine.machine import Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.trial import DEFAULT_TIMEOUT

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import netfilter
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, netfilter
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer, private_runtime
@@ -71,8 +71,6 @@ if TYPE_CHECKING:
     from rewind.image import Image
     from rewind.store import CheckpointManifest, Store
 
-DEFAULT_MEMORY_MIB = 512
-DEFAULT_CPUS = 2
 MIN_MEMORY_MIB = 192  # below this the guest's kernel and agent do not fit
 MAX_CPUS = 64
 MAX_DISK_MIB = 16 << 20  # 16 TiB
