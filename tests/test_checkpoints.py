@@ -17,7 +17,7 @@ import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
-from rewind.engine import pending, snapshot
+from rewind.engine import pending, timeline
 from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
@@ -252,7 +252,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
     checkpoint saved a record read before, and turned the internet back on)."""
     sbx = Sandbox.create("racer", home=home)
     other = Sandbox.get("racer", home=home)
-    real_capture = snapshot.capture
+    real_capture = timeline.capture
 
     def capture_while_rules_change(*args: object, **kwargs: object) -> object:
         changer = threading.Thread(target=other.network.off)
@@ -261,7 +261,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
         assert not changer.is_alive(), "setting the rules waited for the checkpoint"
         return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(snapshot, "capture", capture_while_rules_change)
+    monkeypatch.setattr(timeline, "capture", capture_while_rules_change)
     sbx.checkpoint()
     assert Sandbox.get("racer", home=home).network.get()["internet"] is False
 
@@ -288,7 +288,7 @@ def test_a_checkpoint_cut_short_after_its_capture_loses_nothing(home: Home,
         raise KeyboardInterrupt  # as a kill would stop it
 
     with monkeypatch.context() as patch:
-        patch.setattr(machine_module.Machine, "_save", killed)
+        patch.setattr(machine_module.Machine, "save", killed)
         with pytest.raises(KeyboardInterrupt):
             sbx.checkpoint()
     sbx.files.write("/root/after", "2")
