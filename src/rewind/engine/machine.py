@@ -33,6 +33,7 @@ from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
+    AGENT_CHARDEV,
     AGENT_PORTS,
     QMP_SOCKET,
     QMP_WARM_SOCKET,
@@ -46,6 +47,7 @@ from rewind.engine.qemu import (
 )
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.errors import (
+    AgentGone,
     AlreadyExists,
     Busy,
     ImageError,
@@ -70,6 +72,8 @@ if TYPE_CHECKING:
     from rewind.image import Image
     from rewind.store import CheckpointManifest, Store
 
+# The agent's ports close while init restarts it; that took under a second in a TCG guest.
+AGENT_RESTART_GRACE = 3.0
 LOCK_TIMEOUT = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
 RECORD = "machine.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -178,6 +182,7 @@ class Machine:
         self.engine = engine
         self.path = path
         self.record = record
+        self._agent_closed_since: float | None = None  # see _agent_silent
 
     @property
     def name(self) -> str:
@@ -233,9 +238,11 @@ class Machine:
                                     f"`rewind start {self.name}`")
 
     def _agent_silent(self) -> None:
-        """What an agent session checks when the guest does not answer: that QEMU runs, and
-        that the guest is not left paused by a checkpoint whose caller died between stopping
-        it and starting the capture (then it is resumed, unless a checkpoint is under way)."""
+        """What an agent session checks when the guest does not answer: that QEMU runs; that
+        the guest is not left paused by a checkpoint whose caller died between stopping it and
+        starting the capture (then it is resumed, unless a checkpoint is under way); and that
+        the guest agent still has its ports open, else it is reported gone within
+        AGENT_RESTART_GRACE instead of waited on for the whole connect timeout."""
         self.check_alive()
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"), \
@@ -243,8 +250,20 @@ class Machine:
                 if mon.cmd("query-status").get("status") == "paused" and \
                         mon.cmd("query-migrate").get("status") not in ("setup", "active"):
                     mon.cmd("cont")
+                listening = any(c.get("frontend-open") for c in mon.cmd("query-chardev")
+                                if c.get("label", "").startswith(AGENT_CHARDEV))
         except (Busy, MonitorError):
-            pass
+            return
+        now = time.monotonic()
+        if listening:
+            self._agent_closed_since = None
+            return
+        self._agent_closed_since = self._agent_closed_since or now
+        if now - self._agent_closed_since > AGENT_RESTART_GRACE:
+            raise AgentGone(f"machine {self.name!r}: its guest agent is not running and has not restarted "
+                            f"for {AGENT_RESTART_GRACE:.0f} s (a command may have removed what it runs on, "
+                            f"such as the guest's python3); `rewind restore {self.name} ~0` puts the machine "
+                            "back to its last checkpoint")
 
     # ---- sessions ----
 

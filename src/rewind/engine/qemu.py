@@ -19,6 +19,7 @@ from rewind.errors import RewindError
 
 QEMU_BINARY = "qemu-system-x86_64"
 AGENT_PORTS = 4  # concurrent host sessions per machine
+AGENT_CHARDEV = "agent"  # QEMU chardev ids agent0..: query-chardev says whether the guest opened each
 KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
 
 # File names inside a machine's run directory (relative: QEMU runs there, and
@@ -89,8 +90,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-uuid", spec.tag,
     ]
     for i in range(AGENT_PORTS):
-        argv += ["-chardev", f"socket,id=agent{i},path={agent_socket(i)},server=on,wait=off",
-                 "-device", f"virtserialport,bus=vser0.0,chardev=agent{i},name=rewind.agent.{i},id=port{i}"]
+        chardev = f"{AGENT_CHARDEV}{i}"
+        argv += ["-chardev", f"socket,id={chardev},path={agent_socket(i)},server=on,wait=off",
+                 "-device", f"virtserialport,bus=vser0.0,chardev={chardev},name=rewind.agent.{i},id=port{i}"]
     if spec.incoming:
         argv += ["-incoming", "defer"]
     return argv
