@@ -4,6 +4,7 @@ from a point, forks, history that survives deletions, corruption refused."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
-from rewind.store import CheckpointExists, CorruptChunk, Store
+from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, Store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
 # first that the file still holds what it last wrote. Memory and disk captured at different
@@ -386,3 +387,32 @@ def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> Non
     first = Store.open(home.store).get(base.id).blobs["ram"]
     same = sum(a == b for a, b in zip(first.chunks, manifest.blobs["ram"].chunks, strict=True))
     assert same > len(first.chunks) // 2
+
+
+def test_a_first_checkpoint_is_stored_by_its_changes_from_the_template(home: Home) -> None:
+    """A new machine maps its template's memory; its first point is stored from the chunks its
+    QEMU wrote since, the rest taken from the template's memory, stored once per store.
+    Stored so, the memory must come back byte for byte once the local copies are gone."""
+    sbx = Sandbox.create("fresh", home=home)
+    template_ram = Path(sbx._machine.record.ram)
+    sbx.exec("head -c 8M /dev/urandom > /dev/shm/pattern && sha256sum /dev/shm/pattern > /root/pattern.sum",
+             check=True)
+    point = sbx.checkpoint(wait=True)
+    store = Store.open(home.store)
+    ram = store.get(point.id).blobs["ram"]
+    caches = Caches.of(home.root, home.runtime)
+    st = template_ram.stat()
+    key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{ram.chunk_size}.json"
+    template = BlobIndex.from_json(json.loads(key.read_text()))  # the template's memory, stored
+    assert store.has_chunks(template)
+    same = sum(a == b for a, b in zip(template.chunks, ram.chunks, strict=True))
+    assert same > len(template.chunks) // 2
+    captured = caches.ram / f"{point.id}.ram"
+    with captured.open("rb") as f:
+        as_captured = blake3.blake3(f.read()).hexdigest()
+    captured.unlink()
+    (caches.ram / f"{blob_digest(ram)}.ram").unlink()
+    again = Sandbox.create("fresh-again", from_checkpoint=point.id, home=home)
+    with (caches.ram / f"{blob_digest(ram)}.ram").open("rb") as f:
+        assert blake3.blake3(f.read()).hexdigest() == as_captured
+    assert again.exec("sha256sum -c /root/pattern.sum").ok

@@ -75,6 +75,10 @@ class PendingCheckpoint:
     # numbers (see pagemap.py): only those chunks are read and hashed. None: all of it.
     ram_base: str | None = None
     ram_changed: list[list[int]] | None = None
+    # Or, with no ram_base, the template's memory file they differ from, and its inode then:
+    # a file made again under that name later is not the one the machine mapped.
+    ram_base_file: str | None = None
+    ram_base_inode: int | None = None
 
     @property
     def state(self) -> SavedState:
@@ -317,7 +321,8 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
                            point.state, machine=point.machine, parent=surviving(home, point.parent),
                            name=point.name, labels=point.labels, meta=point.meta, history=point.history,
-                           ram_base=point.ram_base, ram_changed=point.ram_changed)
+                           ram_base=point.ram_base, ram_changed=point.ram_changed,
+                           ram_base_file=point.ram_base_file, ram_base_inode=point.ram_base_inode)
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "

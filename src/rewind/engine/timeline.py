@@ -166,7 +166,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
                       new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                       ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
                       held=held)
-        changed = _ram_changed(r)
+        changed, mapped = _ram_changed(r)
         monitor = None
         if not live:
             # Its memory is written out later, by its committer, through the QMP socket
@@ -187,7 +187,9 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
             monitor=None if monitor is None else str(monitor),
             not_before=time.time() + pending.START_FIRST_S if start_first else 0.0,
-            ram_base=None if changed is None else r.ram_point, ram_changed=changed)
+            ram_base=None if changed is None else r.ram_point, ram_changed=changed,
+            ram_base_file=r.ram if mapped is not None and r.ram_point is None else None,
+            ram_base_inode=mapped if r.ram_point is None else None)
         pending.record(home, point)
 
         def advance(record: MachineRecord) -> None:
@@ -199,18 +201,20 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
     return point
 
 
-def _ram_changed(r: MachineRecord) -> list[list[int]] | None:
-    """Which chunks of its memory may differ from its memory file's checkpoint, read after a
-    capture's instant (see pagemap.py); None if that is not known (a template's file)."""
+def _ram_changed(r: MachineRecord) -> tuple[list[list[int]] | None, int | None]:
+    """Which chunks of its memory may differ from the memory file it maps (a checkpoint's, or
+    its template's), read after a capture's instant (see pagemap.py), and that file's inode;
+    (None, None) if not known."""
     from rewind.engine import pagemap
 
-    if r.ram_point is None or r.ram is None or r.pid is None:
-        return None
+    if r.ram is None or r.pid is None:
+        return None, None
     try:
+        inode = os.stat(r.ram).st_ino
         ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE)
     except (LookupError, OSError):
-        return None
-    return [[first, last] for first, last in ranges]
+        return None, None
+    return [[first, last] for first, last in ranges], inode
 
 
 def _reconcile_disks(machine: Machine, mon: Monitor) -> None:
