@@ -66,7 +66,7 @@ def host_memory_mib(machines: list[Sandbox]) -> float:
         record = sbx._machine.record
         qemu = _rollup_kib(record.pid)
         kib += qemu["Private_Clean"] + qemu["Private_Dirty"]
-        filter_pid = int((sbx._machine.path / "net.pid").read_text())
+        filter_pid = int((sbx._machine.path / "net.pid").read_text().split()[0])
         kib += _rollup_kib(filter_pid)["Pss"]
         images.add(record.ram)
     kib += sum(os.stat(image).st_blocks // 2 for image in images if image)

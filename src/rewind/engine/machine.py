@@ -342,7 +342,7 @@ class Machine:
         go nowhere); the filter must be ready by the block's end."""
         r = self.record
         r.pid = None
-        filter_proc = netfilter.spawn(self.path, r.uuid, self.network)
+        filter_proc = netfilter.spawn(self.engine.home.runtime, self.path, r.uuid, self.network)
         try:
             r.pid = launch(spec, self.path)
             yield
@@ -352,7 +352,7 @@ class Machine:
                 kill(r.pid, r.uuid)
             filter_proc.kill()
             filter_proc.wait()
-            netfilter.stop(self.path, r.uuid)
+            netfilter.stop(self.path)
             raise
 
     def start_from_state(self, state: SavedState) -> None:
@@ -442,7 +442,7 @@ class Machine:
             kill(r.pid, r.uuid)
 
     def cleanup_runtime(self) -> None:
-        netfilter.stop(self.path, self.record.uuid)
+        netfilter.stop(self.path)
         for name in (QMP_SOCKET, QMP_WARM_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
@@ -470,7 +470,8 @@ class Machine:
         snapshot.start_warming): for machines that will be checkpointed soon."""
         from rewind.engine.snapshot import start_warming
 
-        start_warming(self.path, self.disk_dir, self.record.pid, self.record.memory_mib)
+        r = self.record
+        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
@@ -510,7 +511,7 @@ class Machine:
                     pass
                 if not wait_exit(self.record.pid, self.record.uuid, 5):
                     kill(self.record.pid, self.record.uuid)
-            netfilter.stop(self.path, self.record.uuid)
+            netfilter.stop(self.path)
             shutil.rmtree(self.disk_dir, ignore_errors=True)
             shutil.rmtree(self.path)
         _trim_images(self.engine.home)
@@ -677,7 +678,7 @@ class Engine:
         except BaseException:
             if machine.record.pid is not None:
                 kill(machine.record.pid, machine.record.uuid)
-            netfilter.stop(machine.path, machine.record.uuid)
+            netfilter.stop(machine.path)
             shutil.rmtree(machine.disk_dir, ignore_errors=True)
             shutil.rmtree(machine.path, ignore_errors=True)
             raise

@@ -149,9 +149,14 @@ def record(home: Home, point: PendingCheckpoint) -> None:
 
 
 def start_committer(home: Home, journal: Path) -> None:
-    """A detached process that commits `journal` (niced: running guests come first)."""
-    start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
-                    str(home.root), str(home.images), str(journal)])
+    """A detached process that commits `journal` (niced: running guests come first), forked by
+    the home's spawner where it answers."""
+    from rewind.engine import spawner
+
+    args = [str(home.root), str(home.images), str(journal)]
+    if spawner.spawn(home.runtime, spawner.Request("commit", args, nice=10)) is None:
+        start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
+                        *args])
 
 
 def settle(home: Home, machine_uuid: str | None = None) -> list[str]:
@@ -374,7 +379,7 @@ def _forget(path: Path, point: PendingCheckpoint) -> None:
 
 
 def main() -> None:
-    """The committer: `python -c ... HOME_ROOT IMAGES JOURNAL`."""
+    """The committer, with sys.argv = [_, HOME_ROOT, IMAGES, JOURNAL] (see start_committer)."""
     root, images, journal = sys.argv[1:4]
     with contextlib.suppress(OSError, ValueError):
         time.sleep(max(0.0, json.loads(Path(journal).read_text()).get("not_before", 0.0) - time.time()))

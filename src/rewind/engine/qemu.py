@@ -172,6 +172,16 @@ def process_alive(pid: int, tag: str) -> bool:
     return state != "Z" and tag.encode() in cmdline
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot), None unless it runs: with its PID,
+    an identity no later process has."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])  # field 22 of the whole line
+
+
 def kill(pid: int, tag: str, grace: float = 5.0) -> None:
     """End our QEMU by PID: SIGTERM, then SIGKILL after `grace` seconds."""
     if not process_alive(pid, tag):

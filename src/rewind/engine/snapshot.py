@@ -200,17 +200,22 @@ def _reads(path: Path) -> str | None:
         return None
 
 
-def start_warming(run_dir: Path, state_dir: Path, pid: int, memory_mib: int) -> None:
+def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memory_mib: int) -> None:
     """populate() a machine's new QEMU in a detached process now (with its second monitor, for
     when QEMU must read its memory itself), so that its first checkpoint does not pay for it
     (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first waits
     for it to finish. At the lowest priority: at full speed it delayed the restored guest's
-    first command by 0.1-0.3 s."""
-    start_detached(["nice", "-n", "19", sys.executable, "-m", "rewind.engine.snapshot",
-                    str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib)])
+    first command by 0.1-0.3 s. Forked by the home's spawner where it answers."""
+    from rewind.engine import spawner
+
+    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib)]
+    if spawner.spawn(runtime, spawner.Request("warm", args, nice=19)) is None:
+        start_detached(["nice", "-n", "19", sys.executable, "-m", "rewind.engine.snapshot", *args])
 
 
-def _warm_main(sock: str, state_dir: str, pid: str, memory_mib: str) -> None:
+def warm_main() -> None:
+    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB`."""
+    sock, state_dir, pid, memory_mib = sys.argv[1:5]
     with contextlib.suppress(MonitorError, OSError, Busy), Monitor(Path(sock)) as mon:
         # Connected first: the machine's folder may be renamed (a kept copy) while we wait.
         ensure_populated(mon, Path(state_dir), int(pid), int(memory_mib))
@@ -280,4 +285,4 @@ def _event_time(event: dict) -> float:
 
 
 if __name__ == "__main__":
-    _warm_main(*sys.argv[1:5])
+    warm_main()
