@@ -119,6 +119,9 @@ class Spawned:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+        if self.returncode is None:
+            self.returncode = -signal.SIGKILL
+            self._conn.close()
 
 
 def spawn(runtime: Path, request: Request) -> Spawned | None:
@@ -251,6 +254,9 @@ def _run_child(conn: socket.socket, request: Request) -> None:
         if not request.wait:
             conn.close()
         sys.argv = [request.target, *request.args]
+        # What the target forks (a filter's daemon half) must not hold this connection: the
+        # caller reads it until this process reports.
+        os.register_at_fork(after_in_child=conn.close)
         try:
             getattr(importlib.import_module(module), function)()
             code = 0
