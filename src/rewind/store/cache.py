@@ -60,7 +60,8 @@ from rewind.store.store import CheckReport, GcReport, Store
 REMOTE_FILE = "remote.json"
 CACHE_ENV = "REWIND_STORE_CACHE_MIB"
 DEFAULT_CACHE_MIB = 16384
-# "sync": a commit uploads before it returns (tests, benchmarks); else a detached uploader does.
+# How a commit's upload starts: "background" (the default: a detached uploader), "sync" (before
+# the commit returns) or "off" (only `rewind store push` or the next upload sends it).
 UPLOAD_ENV = "REWIND_STORE_UPLOAD"
 CONNECTIONS = 16  # requests in flight: network-bound, not CPU-bound
 _RETRY_AFTER = 10.0  # after the bucket did not answer, lookups use what is here for this long
@@ -93,15 +94,18 @@ class RemoteStatus:
     conditional_writes: bool | None  # None: not known (it did not answer)
 
 
-def cache_root(url: str) -> Path:
+def cache_root(url: str, home: os.PathLike[str] | None = None) -> Path:
+    """Where the home `home` (default: $REWIND_HOME) caches the store `url`."""
     bucket, _ = parse_s3(url)
-    return Home.from_env().root / "cache" / "s3" / f"{bucket}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+    base = Path(home) if home is not None else Home.from_env().root
+    return base / "cache" / "s3" / f"{bucket}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
 
 
-def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | None) -> CachedStore:
-    """The store `url` names, through this host's cache of it (made on first use: only then
+def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | None,
+                home: os.PathLike[str] | None = None) -> CachedStore:
+    """The store `url` names, through the cache of it in `home` (made on first use: only then
     is the bucket asked for the store's config, and the store made there if `create`)."""
-    root = cache_root(url)
+    root = cache_root(url, home)
     if not (root / REMOTE_FILE).exists():
         objects = open_objects(url)
         try:
@@ -169,13 +173,17 @@ class CachedStore(Store):
         self._upload_soon()
 
     def _upload_soon(self) -> None:
-        if os.environ.get(UPLOAD_ENV) == "sync":
+        mode = os.environ.get(UPLOAD_ENV, "background")
+        if mode == "off":
+            return
+        if mode == "sync":
             with suppress(StoreError):  # it stays queued; the next run sends it
                 self.push()
             return
         # setsid -f: it outlives this process and is nobody's zombie.
         with open(self.root / "upload.log", "ab") as log:
-            argv = [sys.executable, "-m", "rewind.store.cache", "push", str(self.root)]
+            argv = [sys.executable, "-c", "from rewind.store.cache import main; main()",
+                    "push", str(self.root)]
             subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                            check=False)
 
@@ -503,10 +511,10 @@ def _parallel(fn: Callable[[T], R], items: list[T]) -> list[R]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rewind.store.cache push ROOT`: the detached uploader of a cache."""
+    """`push ROOT`: the detached uploader of a cache."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "push":
-        sys.exit("usage: python -m rewind.store.cache push CACHE_FOLDER")
+        sys.exit("usage: push CACHE_FOLDER")
     store = Store.open(args[1])
     if not isinstance(store, CachedStore):
         sys.exit(f"{args[1]} is not the cache of a remote store")
@@ -518,6 +526,3 @@ def main(argv: list[str] | None = None) -> None:
     if report.points or report.problems:
         print(f"{time.strftime('%F %T')} {json.dumps(asdict(report))}", flush=True)
 
-
-if __name__ == "__main__":
-    main()

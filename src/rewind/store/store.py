@@ -113,17 +113,18 @@ class Store:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             lock_timeout: float | None = None) -> Store:
+             lock_timeout: float | None = None, home: os.PathLike[str] | None = None) -> Store:
         """Open the store at `path`; with create=True, make it first if it is not there
         (`chunk_size` only matters then). Locks are waited for up to `lock_timeout` s
         (default: $REWIND_LOCK_TIMEOUT, else 30).
 
         `path` may also be `s3://bucket/prefix`: a store in a bucket, used through a store
-        folder on this host as its cache (a CachedStore, cache.py)."""
+        folder on this host as its cache (a CachedStore, cache.py), kept under `home`
+        (default: $REWIND_HOME)."""
         if is_remote(path):
             from rewind.store.cache import open_remote
 
-            return open_remote(str(path), create, chunk_size, lock_timeout)
+            return open_remote(str(path), create, chunk_size, lock_timeout, home)
         root = Path(path)
         if not (root / "config.json").exists():
             if not create:
