@@ -12,67 +12,21 @@ import json
 import os
 import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import rewind_cli
 
 from rewind import Home, Sandbox
+from rewind.bench.s3 import RcloneS3
 from rewind.store import Store
 from rewind.store.cache import UPLOAD_ENV, CachedStore
 from rewind.store.errors import RemoteUnavailable
 
-KEY, SECRET = "rewind-test", "rewind-test-secret"
 CHUNK = 256 * 1024
-
-
-@dataclass
-class S3Server:
-    """An S3 endpoint; an rclone one (`folder` set) can be stopped and started again."""
-
-    endpoint: str
-    bucket: str
-    folder: Path | None = None
-    bwlimit: str | None = None
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        assert self.folder is not None
-        rclone = Path(sys.executable).parent / "rclone"
-        args = [str(rclone if rclone.exists() else shutil.which("rclone")), "serve", "s3",
-                "--addr", self.endpoint.removeprefix("http://"), "--auth-key", f"{KEY},{SECRET}",
-                str(self.folder)]
-        if self.bwlimit:
-            args += ["--bwlimit", self.bwlimit]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        host, port = self.endpoint.removeprefix("http://").split(":")
-        _until(lambda: _answers(host, int(port)), 20, "rclone serve s3 to answer")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def chunk_files(self) -> list[Path]:
-        assert self.folder is not None
-        return [p for p in (self.folder / self.bucket).glob("**/chunks/*/*") if len(p.name) == 64]
-
-
-def _answers(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -82,50 +36,33 @@ def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rclone(tmp: Path, bwlimit: str | None = None) -> S3Server:
-    folder = tmp / "s3"
-    (folder / "bucket").mkdir(parents=True)
-    server = S3Server(endpoint=f"http://127.0.0.1:{_free_port()}", bucket="bucket", folder=folder,
-                      bwlimit=bwlimit)
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    external = os.environ.get("REWIND_TEST_S3_ENDPOINT")
-    if external:
-        yield S3Server(endpoint=external, bucket=os.environ.get("REWIND_TEST_S3_BUCKET", "rewind-test"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneS3 | None]:
+    """rclone on 127.0.0.1, or None when REWIND_TEST_S3_ENDPOINT names another server."""
+    if os.environ.get("REWIND_TEST_S3_ENDPOINT"):
+        yield None
         return
-    server = _rclone(tmp_path_factory.mktemp("rclone"))
+    server = RcloneS3.make(tmp_path_factory.mktemp("rclone"))
     yield server
     server.stop()
 
 
-def _aws_env(monkeypatch: pytest.MonkeyPatch, server: S3Server) -> None:
-    """Point boto3 at `server` and nowhere else: no profile, no config file, no metadata service."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    if server.folder is not None:
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
+def _point_at(monkeypatch: pytest.MonkeyPatch, server: RcloneS3 | None) -> str:
+    """Point boto3 at the server under test; the bucket to use."""
+    if server is None:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", os.environ["REWIND_TEST_S3_ENDPOINT"])
+        return os.environ.get("REWIND_TEST_S3_BUCKET", "rewind-test")
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return server.bucket
 
 
 @pytest.fixture
-def url(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+def url(server: RcloneS3 | None, monkeypatch: pytest.MonkeyPatch) -> str:
     """A new store's URL in the server's bucket (its own prefix)."""
-    _aws_env(monkeypatch, server)
     monkeypatch.delenv(UPLOAD_ENV, raising=False)
-    return f"s3://{server.bucket}/t-{secrets.token_hex(4)}"
+    return f"s3://{_point_at(monkeypatch, server)}/t-{secrets.token_hex(4)}"
 
 
 def _open(url: str, home: Path, create: bool = False) -> CachedStore:
@@ -242,9 +179,9 @@ def test_a_server_stopped_mid_upload_leaves_the_point_here_and_the_upload_resume
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.environ.get("REWIND_TEST_S3_ENDPOINT"):
         pytest.skip("stops the server: rclone only")
-    server = _rclone(tmp_path, bwlimit="8M")  # 32 MiB take 4 s to send: time to stop it midway
+    server = RcloneS3.make(tmp_path / "s3", bwlimit="8M")  # 32 MiB take 4 s: time to stop it midway
     try:
-        _aws_env(monkeypatch, server)
+        _point_at(monkeypatch, server)
         monkeypatch.setenv(UPLOAD_ENV, "off")
         url = f"s3://{server.bucket}/resume"
         a = _open(url, tmp_path / "a", create=True)
