@@ -76,8 +76,8 @@ class RcloneS3:
                 str(self.folder)]
         if self.bwlimit:
             argv += ["--bwlimit", self.bwlimit]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        with open(self.folder.parent / "rclone.log", "ab") as log:  # what it says of errors
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + 20
         while not _answers(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:

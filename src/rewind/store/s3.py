@@ -37,6 +37,9 @@ class S3Objects:
         config = botocore.config.Config(
             connect_timeout=5, read_timeout=60, max_pool_connections=CONNECTIONS,
             retries={"max_attempts": 3, "mode": "standard"},
+            # Checksums only where S3 requires them: chunks are checked against their BLAKE3
+            # names anyway, and S3-compatible servers differ in the newer checksum headers.
+            request_checksum_calculation="when_required", response_checksum_validation="when_required",
             s3={"addressing_style": "path"} if endpoint else None)
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         self._client = boto3.session.Session().client("s3", config=config, region_name=region)
