@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
 from rewind.store import Store
 from rewind.store.cache import UPLOAD_ENV, CachedStore
-from rewind.store.errors import RemoteUnavailable
+from rewind.store.errors import RemoteUnavailable, StoreBusy
+from rewind.store.remote import TTL, LockNote, lock_notes, remote_lock
 
 CHUNK = 256 * 1024
 
@@ -236,3 +238,16 @@ def test_a_checkpoint_taken_in_one_home_runs_as_a_new_machine_in_another(
     finally:
         shutil.rmtree(other.runtime, ignore_errors=True)
     assert uploaded < 120
+
+
+def test_lock_objects_keep_gc_off_an_upload_and_a_stale_one_is_ignored(url: str, tmp_path: Path) -> None:
+    a = _open(url, tmp_path / "a", create=True)
+    a.lock_timeout = 1.0
+    with remote_lock(a.objects, exclusive=False, operation="upload", timeout=5), \
+            pytest.raises(StoreBusy, match="upload .* shared"):
+        a.gc()
+    # A holder that died leaves its object; once it is older than the TTL it no longer counts.
+    dead = LockNote(operation="upload", exclusive=False, host="gone", pid=1, time=time.time() - TTL - 1)
+    a.objects.put("locks/0123456789abcdef.json", json.dumps(asdict(dead)).encode())
+    a.gc()
+    assert not [k for k in lock_notes(a.objects) if k.endswith("0123456789abcdef.json")]  # gc removed it
