@@ -63,6 +63,9 @@ class S3Objects:
                 raise FileExistsError(key) from e
             raise RemoteUnavailable(f"the store at {self.url} refused to {what}: "
                                     f"{code} {err.get('Message') or ''}".rstrip()) from e
+        except botocore.exceptions.NoCredentialsError as e:
+            raise RemoteUnavailable(f"cannot use the store at {self.url}: no AWS credentials (set "
+                                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)") from e
         except (botocore.exceptions.BotoCoreError, OSError) as e:
             raise RemoteUnavailable(f"the store at {self.url} does not answer ({what}): {e}") from e
 
