@@ -43,6 +43,7 @@ def cluster(home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setenv("REWIND_IMAGES", str(home.images))
     homes = tmp_path / "nodes"
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    session = Path(cluster.head_node.get_session_dir_path())  # Ray's logs and sockets, under /tmp/ray
     try:
         for _ in range(2):
             cluster.add_node(**NODE, resources={MACHINES: 2})
@@ -51,6 +52,7 @@ def cluster(home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(session, ignore_errors=True)
         server.stop()
         for node_home in homes.glob("*"):
             h = Home(root=node_home, images=home.images)
