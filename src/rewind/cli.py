@@ -114,7 +114,8 @@ def _local_only(what: str) -> None:
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
-                            help="Checkpoint store (default: $REWIND_HOME/store).")
+                            help="Checkpoint store: a folder, or s3://bucket/prefix "
+                                 "(default: $REWIND_STORE, else $REWIND_HOME/store).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -691,6 +692,30 @@ def store_check(read_data: bool, store_dir: str | None, as_json: bool) -> None:
         sys.exit(1)
 
 
+@store_group.command(name="push")
+@store_option
+@json_option
+def store_push(store_dir: str | None, as_json: bool) -> None:
+    """Upload now what this host committed to an s3:// store and has not uploaded yet."""
+    from rewind.store.cache import CachedStore
+
+    _local_only("store push")
+    store = _store(store_dir)
+    if not isinstance(store, CachedStore):
+        raise InvalidArgument(f"{store.root} is a store on this host: there is nothing to upload")
+    report = store.push()
+    if as_json:
+        emit_json(dataclasses.asdict(report))
+    else:
+        for problem in report.problems:
+            click.echo(f"problem: {problem}")
+        click.echo(f"uploaded {len(report.points)} checkpoint(s) to {store.url}: {report.chunks} chunk(s), "
+                   f"{report.bytes / (1 << 20):.1f} MiB in {report.seconds:.2f} s; "
+                   f"{len(store.queued())} still queued")
+    if report.problems:
+        sys.exit(1)
+
+
 @cli.command(name="export")
 @click.argument("ref")
 @click.argument("file", type=click.Path(dir_okay=False))
@@ -844,6 +869,7 @@ def doctor(as_json: bool) -> None:
     except ImageError as e:
         report.update(image=str(e), accel=None)
     report["machines"] = {m.name: m.status() for m in engine.list()}
+    report.update(_store_status(engine, as_json))
     use = ramcache.usage(Caches.of(engine.home.root, engine.home.runtime).ram)
     report["memory_images"] = use.to_json() if as_json else (
         f"{use.images} on tmpfs, {use.bytes / (1 << 20):.0f} MiB of a {use.budget >> 20} MiB budget "
@@ -853,6 +879,31 @@ def doctor(as_json: bool) -> None:
         return
     for key, value in report.items():
         click.echo(f"{key:>16}: {value}")
+
+
+def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
+    """Which store is in use, and whether it answers (doctor)."""
+    from rewind.store import Store, StoreError
+    from rewind.store.backends import is_remote
+    from rewind.store.cache import CachedStore
+
+    spec = os.environ.get("REWIND_STORE") or str(engine.home.store)
+    if not is_remote(spec):
+        made = (Path(spec) / "config.json").exists()
+        return {"store": spec, "store_status": "a folder on this host" + ("" if made else ", not made yet")}
+    try:
+        store = Store.open(spec, create=True, home=engine.home.root)
+    except StoreError as e:
+        return {"store": spec, "store_status": f"does not answer: {e}"}
+    assert isinstance(store, CachedStore)
+    status = store.status()
+    if as_json:
+        return {"store": spec, "store_status": dataclasses.asdict(status)}
+    said = "answers" if status.answers else "does not answer"
+    conditional = {True: "yes", False: "no (names are claimed by look-then-write)", None: "unknown"}
+    return {"store": spec, "store_status": f"{said}: {status.detail}; {status.queued} checkpoint(s) queued "
+            f"for upload; conditional writes: {conditional[status.conditional_writes]}",
+            "store_cache": status.cache}
 
 
 @cli.command()

@@ -81,9 +81,10 @@ def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
 
 
 def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
+    """The store named (a folder or s3://bucket/prefix), else $REWIND_STORE, else the home's."""
     from rewind.store import Store
 
-    return Store.open(store or home.store, create=True)
+    return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root)
 
 Command = str | list[str]
 MAX_CONTEXT = 64 * 1024

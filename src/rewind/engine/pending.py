@@ -39,7 +39,7 @@ from rewind.engine.snapshot import (
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
-from rewind.store.durable import replace_durably
+from rewind.store.durable import append_line, replace_durably
 
 # A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
 # committed in the background this long after: a machine is busiest in its first moments
@@ -118,16 +118,6 @@ def read_commit_stats(home: Home) -> list[CommitStats]:
     return stats
 
 
-def _append_line(path: Path, record: dict) -> None:
-    """Add one JSON line to `path`: one short write with O_APPEND, so lines from concurrent
-    committers do not interleave."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
 def journals(home: Home, machine_uuid: str | None = None) -> list[Path]:
     """Pending journals (of one machine, or all), oldest first. They are named
     SEQ-MACHINE_UUID-ID.json."""
@@ -179,7 +169,7 @@ def _lose(home: Home, path: Path, point: PendingCheckpoint, reason: str) -> None
     tomb.parent.mkdir(exist_ok=True)
     tomb.write_text(point.parent or "")
     with contextlib.suppress(OSError):
-        _append_line(_lost_path(home), {"id": point.id, "machine": point.machine, "reason": reason})
+        append_line(_lost_path(home), {"id": point.id, "machine": point.machine, "reason": reason})
     _forget(path, point)
 
 
@@ -338,7 +328,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         with contextlib.suppress(OSError, RewindError):
             trim_images(home)
         with contextlib.suppress(OSError):
-            _append_line(commit_stats_path(home), asdict(CommitStats(
+            append_line(commit_stats_path(home), asdict(CommitStats(
                 id=point.id, cpu_s=round(cpu + split.cpu_s, 4), split_cpu_s=split.cpu_s,
                 seconds=round(time.time() - point.created, 3))))
     finally:
