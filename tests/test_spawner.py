@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -100,3 +101,24 @@ def test_bad_requests_are_refused_without_harm(runtime: Path) -> None:
     served = spawner.spawn(runtime, _warm())
     assert served is not None and served.wait(10) == 0
     assert _spawner_pids(runtime) == [pid]
+
+
+def test_file_descriptors_go_to_the_child_alone(runtime: Path, tmp_path: Path) -> None:
+    """A splitter gets its pipe, memory file and ready pipe by descriptor; the spawner keeps
+    no copy (a reader left there would keep QEMU's stream from ever seeing its reader go)."""
+    stream_r, stream_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    ram = os.open(tmp_path / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
+    done = tmp_path / "done"
+    args = ["{fd0}", "{fd1}", "pc.ram", str(tmp_path / "devstate"), str(done), "{fd2}"]
+    request = spawner.Request("split", args, wait=True)
+    child = spawner.spawn(runtime, request, fds=(stream_r, ram, ready_w))
+    for fd in (stream_r, ram, ready_w):
+        os.close(fd)
+    assert child is not None
+    assert os.read(ready_r, 1) == b"r"
+    os.close(stream_w)  # an empty stream: the split fails, and says so
+    assert child.wait(10) == 1
+    assert "error" in json.loads(done.read_text())
+    assert os.read(ready_r, 1) == b""  # no copy of the ready pipe's write end is left anywhere
+    os.close(ready_r)

@@ -46,12 +46,17 @@ TARGETS = {
     "commit": ("rewind.engine.pending", "main", "rewind-commit"),
     "filter": ("rewind.engine.packetfilter", "main", "rewind-filter"),
     "warm": ("rewind.engine.snapshot", "warm_main", "rewind-warm"),
+    "split": ("rewind.engine.migstream", "run", "rewind-split"),
 }
+MAX_FDS = 8
+MAX_REQUEST = 1 << 16
 
 
 @dataclass(frozen=True)
 class Request:
-    """One child to start: TARGETS[target] run with sys.argv = [target, *args]."""
+    """One child to start: TARGETS[target] run with sys.argv = [target, *args]. File
+    descriptors sent along with the request are the child's; "{fd0}", "{fd1}"... in `args`
+    stand for their numbers there."""
 
     target: str
     args: list[str]
@@ -124,9 +129,9 @@ class Spawned:
             self._conn.close()
 
 
-def spawn(runtime: Path, request: Request) -> Spawned | None:
-    """Start `request` through the home's spawner (started if need be); None if that cannot
-    be done now, for the caller to start a fresh process instead."""
+def spawn(runtime: Path, request: Request, fds: tuple[int, ...] = ()) -> Spawned | None:
+    """Start `request` through the home's spawner (started if need be), passing it `fds`;
+    None if that cannot be done now, for the caller to start a fresh process instead."""
     path = runtime / SOCKET
     try:
         conn = _connect(path)
@@ -146,7 +151,7 @@ def spawn(runtime: Path, request: Request) -> Spawned | None:
     request = replace(request, code=code_version())
     try:
         conn.settimeout(10)
-        conn.sendall(json.dumps(asdict(request)).encode() + b"\n")
+        socket.send_fds(conn, [json.dumps(asdict(request)).encode() + b"\n"], list(fds))
         reader = conn.makefile("rb")
         pid = int(json.loads(reader.readline())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -224,16 +229,28 @@ def _reap() -> None:
 
 def _serve(conn: socket.socket, spawner_fds: tuple[int, ...]) -> None:
     conn.settimeout(5)
+    fds: list[int] = []
     try:
-        request = Request.from_json(json.loads(conn.makefile("rb").readline()))
-    except (OSError, ValueError, TypeError):
+        message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, MAX_FDS)
+        while message and not message.endswith(b"\n") and len(message) < MAX_REQUEST:
+            more = conn.recv(MAX_REQUEST)
+            if not more:
+                break
+            message += more
+        request = Request.from_json(json.loads(message))
+        numbers = {f"{{fd{i}}}": str(fd) for i, fd in enumerate(fds)}  # whole arguments only
+        request = replace(request, args=[numbers.get(arg, arg) for arg in request.args])
+        if os.fork() == 0:
+            # The child keeps neither the listening socket nor the lock: a filter that
+            # outlives the spawner would otherwise keep the next one from starting.
+            for fd in spawner_fds:
+                os.close(fd)
+            _run_child(conn, request)
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
         return
-    if os.fork() == 0:
-        # The child keeps neither the listening socket nor the lock: a filter that outlives
-        # the spawner would otherwise keep the next one from starting.
-        for fd in spawner_fds:
+    finally:
+        for fd in fds:  # the child's alone: a pipe end left here would keep its peer waiting
             os.close(fd)
-        _run_child(conn, request)
 
 
 def _run_child(conn: socket.socket, request: Request) -> None:
