@@ -28,6 +28,7 @@ from rewind.store.model import DEFAULT_HISTORY
 # The store, the guard's classifier and the checkpoint machinery are imported where they
 # are used, as in engine/machine.py: exec through a new process (the CLI) starts sooner.
 if TYPE_CHECKING:
+    from rewind.engine.diff import Diff
     from rewind.engine.points import Point
     from rewind.guard.guarded import GuardedResult
     from rewind.guard.trial import Outcome
@@ -299,6 +300,26 @@ class Sandbox:
         ref = ref.id if isinstance(ref, Checkpoint) else ref
         return Checkpoint.of(self._machine.restore(self._store, ref))
 
+    def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,
+             paths: list[str] | None = None) -> Diff:
+        """What changed from point `a` to point `b`, or to this machine as it is now (b=None):
+        files, packages, processes and listening sockets, network rules and labels. Refs are
+        as restore's (`~N` counts back from this machine's last point; `NAME~N`, ids, names).
+        `noise`: also files in the noise list (logs, caches: filediff.NOISE); `paths`: globs."""
+        from rewind.engine.diff import diff
+
+        self._machine.reload()
+        return diff(self._machine.engine, self._store, _ref(a), self._machine if b is None else _ref(b),
+                    relative_to=self._machine.record.parent, include_noise=noise, globs=paths)
+
+    def diff_content(self, path: str, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None) -> str:
+        """A unified diff of one text file from point `a` to point `b` (None: now)."""
+        from rewind.engine.diff import content
+
+        self._machine.reload()
+        return content(self._machine.engine, self._store, _ref(a), self._machine if b is None else _ref(b),
+                       path, relative_to=self._machine.record.parent)
+
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
              network: dict | None = None) -> Sandbox:
         """A live copy of this machine from this moment, with its own name and identity.
@@ -332,6 +353,10 @@ class Sandbox:
     def delete(self) -> None:
         """Stop the machine if it runs and remove everything it had."""
         self._machine.delete()
+
+
+def _ref(ref: str | Checkpoint) -> str:
+    return ref.id if isinstance(ref, Checkpoint) else ref
 
 
 def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = None, *, offline: bool = True,

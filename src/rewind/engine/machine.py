@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import netfilter
+from rewind.engine import gueststate, netfilter
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer, private_runtime
@@ -486,6 +486,7 @@ class Machine:
         point_id = new_checkpoint_id()
         self.check_alive()
         pending.ensure_room(home, self.record.memory_mib << 20, f"a checkpoint of {self.name!r}")
+        guest = gueststate.flush(self.path)  # its files on its disk, for diffs (see gueststate.py)
         with self.monitor() as mon:
             r = self.record
             self._reconcile_disks(mon)
@@ -516,6 +517,7 @@ class Machine:
                 meta={"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
                       "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
                       "mac": r.mac, "network": r.network, "pause_s": cap.pause_s,
+                      "guest": guest, "machine_labels": dict(r.labels),
                       **({} if context is None else {"context": context})},
                 ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
                 end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
