@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import rewind_cli
 
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine.filediff import is_noise
-
-from .conftest import rewind_cli
 
 LISTENER = ("python3 -c 'import socket, time; s = socket.socket(); s.bind((\"0.0.0.0\", 8123)); "
             "s.listen(); time.sleep(3600)'")
@@ -151,9 +150,10 @@ def test_cli(sbx: Sandbox, shared_home: Home, stepped: dict) -> None:
     assert {f["path"]: f["kind"] for f in data["files"]} == EXPECTED
     r = rewind_cli("diff", stepped["before"].id, stepped["after"].id, "--paths", "/root/proj/*", env=env)
     assert r.returncode == 0, r.stderr
-    assert "/root/proj/" in r.stdout and "+ new.txt" in r.stdout and "rewind-hello" in r.stdout
-    assert "/usr/bin/" not in r.stdout
+    out = r.stdout.decode()
+    assert "/root/proj/" in out and "+ new.txt" in out and "rewind-hello" in out
+    assert "/usr/bin/" not in out
     r = rewind_cli("diff", "no-such-machine-or-point", env=env)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr
     r = rewind_cli("diff", stepped["after"].id, "--content", "/root/proj/edit.txt", env=env)
-    assert r.returncode == 0 and "+more" in r.stdout
+    assert r.returncode == 0 and b"+more" in r.stdout
