@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import rewind_cli
+from serving import served
 
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine.filediff import is_noise
@@ -157,3 +158,14 @@ def test_cli(sbx: Sandbox, shared_home: Home, stepped: dict) -> None:
     assert r.returncode == 1 and r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr
     r = rewind_cli("diff", stepped["after"].id, "--content", "/root/proj/edit.txt", env=env)
     assert r.returncode == 0 and b"+more" in r.stdout
+
+
+def test_over_http(sbx: Sandbox, shared_home: Home, stepped: dict, tmp_path: Path) -> None:
+    with served(shared_home, tmp_path / "serve.log", None) as url:
+        remote = Sandbox.connect(url).get(sbx.name)
+        d = remote.diff(stepped["before"].id, stepped["after"].id)
+        assert _changes(d) == EXPECTED
+        assert [p.name for p in d.packages] == ["rewind-hello"]
+        assert d.listening_opened == ["tcp 0.0.0.0:8123"]
+        assert set(_changes(remote.diff(stepped["before"].id, stepped["after"].id, paths=["/usr/*"]))) == \
+            {p for p in EXPECTED if p.startswith("/usr/")}

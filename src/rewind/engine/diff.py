@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rewind.engine import gueststate, pending
 from rewind.engine.checkpoint import Caches, layer_path
-from rewind.engine.filediff import Disk, FileChange, diff_disks, file_bytes
+from rewind.engine.filediff import Disk, FileChange, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Engine, Machine
 from rewind.engine.points import Point
@@ -67,6 +67,15 @@ class Diff:
                 "listening": None if self.listening_opened is None else
                 {"opened": self.listening_opened, "closed": self.listening_closed},
                 "network": self.network, "labels": self.labels, "notes": self.notes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Diff:
+        processes, listening = d.get("processes") or {}, d.get("listening") or {}
+        return cls(before=d["before"], after=d["after"], files=[FileChange.from_json(f) for f in d["files"]],
+                   packages=[PackageChange(**p) for p in d["packages"]],
+                   processes_started=processes.get("started"), processes_ended=processes.get("ended"),
+                   listening_opened=listening.get("opened"), listening_closed=listening.get("closed"),
+                   network=d.get("network"), labels=d.get("labels"), notes=list(d.get("notes", [])))
 
 
 @dataclass
@@ -121,7 +130,7 @@ def content(engine: Engine, store: Store, before: str | Point, after: str | Poin
 @contextmanager
 def _side(engine: Engine, store: Store, which: str | Point | Machine,
           relative_to: str | None) -> Iterator[_Side]:
-    cache = engine.home.root / "cache" / "fileindex"
+    cache = IndexCache(own=engine.home.root / "cache" / "fileindex", image=engine.home.images / "fileindex")
     if isinstance(which, Machine):
         with _live(which, cache) as side:
             yield side
@@ -158,15 +167,17 @@ def _point_layers(engine: Engine, store: Store, point: Point) -> list[Path]:
 
 
 @contextmanager
-def _live(machine: Machine, cache: Path) -> Iterator[_Side]:
+def _live(machine: Machine, cache: IndexCache) -> Iterator[_Side]:
     """A running machine, flushed and paused while it is read. Its disk's top layer is the
     one QEMU writes: its directory index is not cached."""
     what = f"machine {machine.name!r}"
     with file_lock(machine.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
         machine.reload()
         machine.check_alive()
-        guest = gueststate.flush(machine.path)
         r = machine.record
+        if len(r.disks) > 1:
+            index_ahead([Path(d) for d in r.disks[:-1]], cache)
+        guest = gueststate.flush(machine.path)
         with machine.monitor() as mon:
             running = mon.cmd("query-status").get("running", False)
             if running:

@@ -55,6 +55,11 @@ class FileStat:
                 "size": self.size, "mtime_ns": self.mtime_ns,
                 **({"target": self.target} if self.target else {})}
 
+    @classmethod
+    def from_json(cls, d: dict) -> FileStat:
+        return cls(type=d["type"], mode=int(d["mode"], 8), uid=d["uid"], gid=d["gid"], size=d["size"],
+                   mtime_ns=d["mtime_ns"], target=d.get("target"))
+
 
 _TYPES = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink", stat.S_IFIFO: "fifo",
           stat.S_IFSOCK: "socket", stat.S_IFCHR: "char", stat.S_IFBLK: "block"}

@@ -7,8 +7,9 @@ blocks name the inodes that may have changed (any write to a file, a chmod, a re
 an unlink changes its inode), and each changed inode's names come from an index of the
 file system's directories. That index is built once by walking the whole file system for
 the image's own layers (about 1.5 s here), kept in a cache by the layers' identities
-(frozen layers never change), and brought up to date for any later disk by re-reading
-only the directories whose inodes changed. So a diff reads what changed, plus a little.
+(frozen layers never change; the image's in the images folder, shared by every home that
+uses it), and brought up to date for any later disk by re-reading only the directories
+whose inodes changed. So a diff reads what changed, plus a little.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class FileChange:
         return {"path": self.path, "kind": self.kind, "noise": self.noise,
                 "before": None if self.before is None else self.before.to_json(),
                 "after": None if self.after is None else self.after.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> FileChange:
+        def stat(s: dict | None) -> FileStat | None:
+            return None if s is None else FileStat.from_json(s)
+        return cls(d["path"], d["kind"], stat(d["before"]), stat(d["after"]), d["noise"])
 
 
 def is_noise(path: str) -> bool:
@@ -170,10 +177,22 @@ def changed_inodes(a: Ext4View, b: Ext4View, blocks: set[int]) -> set[int]:
     return changed
 
 
+@dataclass(frozen=True)
+class IndexCache:
+    """Where directory indexes are kept: those of the image's own layers apart, beside the
+    image, so that every home using it finds them."""
+
+    own: Path
+    image: Path
+
+    def folder(self, layers: int) -> Path:
+        return self.image if layers <= _BASE_LAYERS else self.own
+
+
 class Disk:
     """One side of a diff: a disk's layers, open, with its file system and directory index."""
 
-    def __init__(self, layers: list[Path], frozen: int, cache: Path) -> None:
+    def __init__(self, layers: list[Path], frozen: int, cache: IndexCache) -> None:
         """`frozen`: how many of the layers (from the base) will never change again."""
         self.paths = layers
         self.ids = [LayerId.of(p) for p in layers]
@@ -192,7 +211,7 @@ class Disk:
 
     def _key(self, n: int) -> Path:
         h = blake3.blake3("\n".join(i.key() for i in self.ids[:n]).encode()).hexdigest()[:32]
-        return self.cache / f"{h}.json"
+        return self.cache.folder(n) / f"{h}.json"
 
     def _cached(self, n: int) -> Index | None:
         try:
@@ -203,8 +222,8 @@ class Disk:
     def _keep(self, n: int, index: Index) -> None:
         """Cache the index of the first n layers (all frozen). Written whole or not at all;
         a lost race with another writer leaves an equal file."""
-        self.cache.mkdir(parents=True, exist_ok=True)
         dest = self._key(n)
+        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
         tmp.write_text(json.dumps(index.to_json(), separators=(",", ":")))
         os.replace(tmp, dest)
@@ -243,6 +262,12 @@ class Disk:
             else:
                 dirs.pop(ino, None)
         return Index(dirs, set(self.view.replayed))
+
+
+def index_ahead(layers: list[Path], cache: IndexCache) -> None:
+    """Have the index of these frozen layers cached: a running machine's is made before it is
+    paused to be read, so that only its top layer is read in the pause."""
+    Disk(layers, len(layers), cache).close()
 
 
 def diff_disks(a: Disk, b: Disk, include_noise: bool = False,

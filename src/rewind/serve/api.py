@@ -360,6 +360,14 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
         """Run a step (and a check) in a copy; the copy replaces the machine only if both pass."""
         return service.try_in_copy(name, **body.model_dump())
 
+    @app.get("/machines/{name}/diff", tags=["checkpoints"])
+    def diff(name: str, before: str = "~0", after: str | None = None, all: bool = False,
+             paths: Annotated[list[str] | None, Query()] = None) -> dict:
+        """What changed from point `before` (default ~0, its last) to point `after` or, without
+        it, the machine now: files, packages, processes, listening sockets, rules, labels.
+        `all`: also the noise list's paths; `paths`: globs, repeatable."""
+        return service.diff(name, before, after, all=all, paths=paths)
+
     @app.post("/classify", tags=["commands"])
     def classify(body: ClassifyBody) -> dict:
         """What undo a shell command needs: none, git, fork or external, and why."""

@@ -138,6 +138,15 @@ def build_server(service: Service) -> MCPServer:
         """The machine's checkpoints, newest first, as ~0, ~1, ..."""
         return {"checkpoints": service.history(name)}
 
+    @tool(READ)
+    def diff(name: str, before: str = "~0", after: str | None = None, all: bool = False,
+             paths: list[str] | None = None) -> dict[str, Any]:
+        """What changed from checkpoint `before` (default ~0, the last) to checkpoint `after` or,
+        without it, the machine now: files added, deleted and modified, Debian packages,
+        processes started and ended, listening sockets, network rules, labels. `all` adds the
+        noise (logs, caches); `paths` keeps only paths matching these globs."""
+        return service.diff(name, before, after, all=all, paths=paths)
+
     @tool(DESTROY)
     def restore(name: str, ref: str) -> dict[str, Any]:
         """Put the machine back to a checkpoint (~N, an id prefix or a name) in place: processes,

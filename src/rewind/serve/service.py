@@ -110,6 +110,10 @@ class Service:
         sbx = self.sandbox(name)
         return try_in_copy(sbx, step, verify, offline=offline, cwd=cwd, timeout=timeout).to_json()
 
+    def diff(self, name: str, before: str = "~0", after: str | None = None, *, all: bool = False,
+             paths: list[str] | None = None) -> dict[str, Any]:
+        return self.sandbox(name).diff(before, after, noise=all, paths=paths or None).to_json()
+
     @staticmethod
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
         return classify(command, cwd=cwd, rules=find_rules()).to_json()
