@@ -23,7 +23,6 @@ from rewind.engine.filediff import Disk, FileChange, IndexCache, diff_disks, fil
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Engine, Machine
 from rewind.engine.points import Point
-from rewind.engine.qcow2 import LayerError
 from rewind.errors import InvalidArgument, RewindError
 from rewind.store import Store
 
@@ -217,11 +216,8 @@ def _packages(a: Disk, b: Disk) -> list[PackageChange]:
     sb = None if ib is None else b.view.stat(ib)
     if ia == ib and sa == sb:
         return []
-    try:
-        before = _installed(file_bytes(a, _STATUS, 64 << 20) or b"")
-        after = _installed(file_bytes(b, _STATUS, 64 << 20) or b"")
-    except LayerError as e:
-        raise RewindError(f"the package database cannot be read: {e}") from e
+    before = _installed(file_bytes(a, _STATUS, 64 << 20) or b"")
+    after = _installed(file_bytes(b, _STATUS, 64 << 20) or b"")
     changes = []
     for name in sorted(before.keys() | after.keys()):
         old, new = before.get(name), after.get(name)

@@ -20,7 +20,6 @@ from dissect.extfs import ExtFS
 from dissect.extfs.exceptions import Error as ExtError
 
 from rewind.engine.qcow2 import Chain, LayerError
-from rewind.errors import RewindError
 
 _JBD2_MAGIC = 0xC03B3998
 _DESCRIPTOR, _COMMIT, _REVOKE = 1, 2, 5
@@ -34,7 +33,7 @@ _ATIME_EXTRA = slice(0x8C, 0x90)
 _CHECKSUM_LO, _CHECKSUM_HI = slice(0x7C, 0x7E), slice(0x82, 0x84)
 
 
-class FsError(RewindError):
+class FsError(LayerError):
     """A disk whose file system cannot be read on the host."""
 
 
@@ -166,6 +165,13 @@ class Ext4View:
             return FileStat(type=kind, mode=stat.S_IMODE(i.i_mode), uid=(i.i_uid_high << 16) | i.i_uid,
                             gid=(i.i_gid_high << 16) | i.i_gid, size=node.size, mtime_ns=node.mtime_ns,
                             target=node.link if kind == "symlink" else None)
+        except (ExtError, OSError, EOFError, struct.error) as e:
+            raise FsError(f"inode {ino} cannot be read: {e}") from e
+
+    def runs(self, ino: int) -> list[list[int]]:
+        """Where a file's data lies: [[first block, count]], holes left out."""
+        try:
+            return [[start, count] for start, count in self.fs.get_inode(ino).dataruns() if start is not None]
         except (ExtError, OSError, EOFError, struct.error) as e:
             raise FsError(f"inode {ino} cannot be read: {e}") from e
 

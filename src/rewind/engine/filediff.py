@@ -15,6 +15,7 @@ whose inodes changed. So a diff reads what changed, plus a little.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fnmatch
 import json
 import os
@@ -33,8 +34,9 @@ from rewind.engine.qcow2 import Chain, LayerId
 NOISE = ("/var/log/*", "/var/cache/*", "/var/lib/apt/*", "/var/lib/dpkg/*", "/var/lib/systemd/*",
          "/var/lib/dhcp/*", "/tmp/*", "/var/tmp/*", "/root/.cache/*", "*/__pycache__/*",
          "/etc/hostname", "/etc/hosts", "/etc/machine-id", "*.rewind-tmp")
-_INDEX_VERSION = 1
-_BASE_LAYERS = 2  # the image's disk and its template's layer: shared by every machine of an image
+_INDEX_VERSION = 2
+_BASE_LAYERS = 2
+KEEP_INDEXES = 64  # the image's disk and its template's layer: shared by every machine of an image
 
 
 @dataclass(frozen=True)
@@ -63,22 +65,42 @@ def is_noise(path: str) -> bool:
 
 @dataclass
 class Index:
-    """A file system's directories: inode -> {name: inode}; and the blocks its journal replay
-    covered (they may differ from another disk's without any layer saying so)."""
+    """A file system's directories: inode -> {name: inode}, and where each one's entries lie
+    ([[first block, count]]: a directory is read again when its blocks change, even if its
+    inode did not); and the blocks its journal replay covered (they may differ from another
+    disk's without any layer saying so)."""
 
     dirs: dict[int, dict[str, int]]
+    runs: dict[int, list[list[int]]]
     replayed: set[int]
     _parents: dict[int, list[tuple[int, str]]] | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         return {"version": _INDEX_VERSION, "dirs": {str(d): e for d, e in self.dirs.items()},
-                "replayed": sorted(self.replayed)}
+                "runs": {str(d): r for d, r in self.runs.items()}, "replayed": sorted(self.replayed)}
 
     @classmethod
     def from_json(cls, data: dict) -> Index:
         if data.get("version") != _INDEX_VERSION:
             raise ValueError("another version")
-        return cls({int(d): e for d, e in data["dirs"].items()}, set(data["replayed"]))
+        return cls({int(d): e for d, e in data["dirs"].items()}, {int(d): r for d, r in data["runs"].items()},
+                   set(data["replayed"]))
+
+    def dirs_in(self, blocks: set[int]) -> set[int]:
+        """The directories with entries in any of these blocks."""
+        return {d for d, runs in self.runs.items()
+                if any(b in blocks for start, count in runs for b in range(start, start + count))}
+
+    def read_dir(self, view: Ext4View, ino: int) -> None:
+        """Take a directory's entries (again) from a disk; forget it if it is no longer one."""
+        st = view.stat(ino)
+        if st is not None and st.type == "dir":
+            self.dirs[ino] = {name: child for name, (child, _) in view.entries(ino).items()}
+            self.runs[ino] = view.runs(ino)
+        else:
+            self.dirs.pop(ino, None)
+            self.runs.pop(ino, None)
+        self._parents = None
 
     def parents(self) -> dict[int, list[tuple[int, str]]]:
         if self._parents is None:
@@ -131,17 +153,28 @@ class Index:
                     stack.append((p, child))
 
 
-def _walk(view: Ext4View) -> dict[int, dict[str, int]]:
-    dirs: dict[int, dict[str, int]] = {}
+def _trim(folder: Path, keep: int) -> None:
+    """Remove all but the `keep` newest files of a folder."""
+    files = []
+    for p in folder.glob("*.json"):
+        with contextlib.suppress(FileNotFoundError):
+            files.append((p.stat().st_mtime_ns, p))
+    for _, p in sorted(files, reverse=True)[keep:]:
+        p.unlink(missing_ok=True)
+
+
+def _walk(view: Ext4View) -> Index:
+    index = Index({}, {}, set(view.replayed))
     stack = [ROOT_INO]
     while stack:
         d = stack.pop()
-        if d in dirs:
+        if d in index.dirs:
             continue
         entries = view.entries(d)
-        dirs[d] = {name: child for name, (child, is_dir) in entries.items()}
+        index.dirs[d] = {name: child for name, (child, is_dir) in entries.items()}
+        index.runs[d] = view.runs(d)
         stack.extend(child for child, is_dir in entries.values() if is_dir)
-    return dirs
+    return index
 
 
 def changed_blocks(view: Ext4View, chains: list[tuple[Chain, int]], replayed: set[int]) -> set[int]:
@@ -221,12 +254,15 @@ class Disk:
 
     def _keep(self, n: int, index: Index) -> None:
         """Cache the index of the first n layers (all frozen). Written whole or not at all;
-        a lost race with another writer leaves an equal file."""
+        a lost race with another writer leaves an equal file. The newest KEEP_INDEXES of a
+        home's points are kept (each is some 0.5 MiB)."""
         dest = self._key(n)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
         tmp.write_text(json.dumps(index.to_json(), separators=(",", ":")))
         os.replace(tmp, dest)
+        if dest.parent == self.cache.own:
+            _trim(dest.parent, KEEP_INDEXES)
 
     def _index(self) -> Index:
         n = len(self.paths)
@@ -235,10 +271,11 @@ class Disk:
             if index is not None:
                 break
         else:
-            k = min(self.frozen, _BASE_LAYERS, n)
+            # The image's own layers, walked whole (a machine's top layer is never frozen).
+            k = max(min(self.frozen, _BASE_LAYERS, n), 1)
             with Chain(self.paths[:k]) as prefix:
                 view = self.view if k == n else Ext4View(prefix)
-                index = Index(_walk(view), set(view.replayed))
+                index = _walk(view)
             if k <= self.frozen:
                 self._keep(k, index)
         if k < n:
@@ -248,20 +285,16 @@ class Disk:
         return index
 
     def _advance(self, index: Index, k: int) -> Index:
-        """The index of all layers, from that of the first k: the directories whose inodes
-        changed in the layers above are read again."""
+        """The index of all layers, from that of the first k: the directories whose inodes or
+        entries changed in the layers above are read again."""
         with Chain(self.paths[:k]) as prefix:
             below = Ext4View(prefix)
             blocks = changed_blocks(self.view, [(self.chain, k)], index.replayed | self.view.replayed)
-            changed = changed_inodes(below, self.view, blocks)
-        dirs = dict(index.dirs)
+            changed = changed_inodes(below, self.view, blocks) | index.dirs_in(blocks)
+        index = Index(dict(index.dirs), dict(index.runs), set(self.view.replayed))
         for ino in changed:
-            st = self.view.stat(ino)
-            if st is not None and st.type == "dir":
-                dirs[ino] = {name: child for name, (child, _) in self.view.entries(ino).items()}
-            else:
-                dirs.pop(ino, None)
-        return Index(dirs, set(self.view.replayed))
+            index.read_dir(self.view, ino)
+        return index
 
 
 def index_ahead(layers: list[Path], cache: IndexCache) -> None:
@@ -278,7 +311,7 @@ def diff_disks(a: Disk, b: Disk, include_noise: bool = False,
         shared += 1
     blocks = changed_blocks(a.view, [(a.chain, shared), (b.chain, shared)],
                             a.view.replayed | b.view.replayed)
-    inodes = changed_inodes(a.view, b.view, blocks)
+    inodes = changed_inodes(a.view, b.view, blocks) | a.index.dirs_in(blocks) | b.index.dirs_in(blocks)
     candidates: set[str] = set()
     for ino in inodes:
         candidates.update(a.index.paths(ino))
