@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rewind.engine import filediff
 from rewind.engine.filediff import Disk, IndexCache, diff_disks
 from rewind.engine.qcow2 import Chain, LayerError
 
@@ -94,11 +95,13 @@ def test_what_each_change_says(disks: tuple[Path, Path], tmp_path: Path) -> None
 def test_indexes_are_cached_and_damaged_ones_rebuilt(disks: tuple[Path, Path], tmp_path: Path) -> None:
     cache = IndexCache(own=tmp_path / "own", image=tmp_path / "image")
     assert _diff(*disks, cache) == EXPECTED
-    kept = sorted((tmp_path / "image").glob("*.json")) + sorted((tmp_path / "own").glob("*.json"))
+    kept = sorted((tmp_path / "image").glob("*.idx")) + sorted((tmp_path / "own").glob("*.idx"))
     assert len(kept) == 2  # the base's (an image's layers') and the two layers'
     for path in kept:
-        path.write_text("{not json")
+        path.write_bytes(b"\x00damaged")
+    filediff._loaded.clear()  # as a new process finds them
     assert _diff(*disks, cache) == EXPECTED
+    assert all(p.read_bytes() != b"\x00damaged" for p in kept)
 
 
 def test_a_file_that_is_not_qcow2_is_refused(tmp_path: Path) -> None:

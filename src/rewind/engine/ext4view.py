@@ -171,7 +171,8 @@ class Ext4View:
     def runs(self, ino: int) -> list[list[int]]:
         """Where a file's data lies: [[first block, count]], holes left out."""
         try:
-            return [[start, count] for start, count in self.fs.get_inode(ino).dataruns() if start is not None]
+            return [[int(start), int(count)] for start, count in self.fs.get_inode(ino).dataruns()
+                    if start is not None]
         except (ExtError, OSError, EOFError, struct.error) as e:
             raise FsError(f"inode {ino} cannot be read: {e}") from e
 
