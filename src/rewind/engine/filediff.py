@@ -260,8 +260,7 @@ class Disk:
         self.chain.close()
 
     def _key(self, n: int) -> Path:
-        h = blake3.blake3("\n".join(i.key() for i in self.ids[:n]).encode()).hexdigest()[:32]
-        return self.cache.folder(n) / f"{h}.idx"
+        return _index_path(self.ids[:n], self.cache)
 
     def _cached(self, n: int) -> Index | None:
         path = self._key(n)
@@ -320,10 +319,16 @@ class Disk:
         return index
 
 
+def _index_path(ids: list[LayerId], cache: IndexCache) -> Path:
+    h = blake3.blake3("\n".join(i.key() for i in ids).encode()).hexdigest()[:32]
+    return cache.folder(len(ids)) / f"{h}.idx"
+
+
 def index_ahead(layers: list[Path], cache: IndexCache) -> None:
     """Have the index of these frozen layers cached: a running machine's is made before it is
     paused to be read, so that only its top layer is read in the pause."""
-    Disk(layers, len(layers), cache).close()
+    if not _index_path([LayerId.of(p) for p in layers], cache).exists():
+        Disk(layers, len(layers), cache).close()
 
 
 def diff_disks(a: Disk, b: Disk, include_noise: bool = False,
