@@ -154,6 +154,8 @@ def test_cli(sbx: Sandbox, shared_home: Home, stepped: dict) -> None:
     out = r.stdout.decode()
     assert "/root/proj/" in out and "+ new.txt" in out and "rewind-hello" in out
     assert "/usr/bin/" not in out
+    r = rewind_cli("try", sbx.name, "--diff", "--", "echo z > /root/proj/z.txt && false", env=env)
+    assert r.returncode == 1 and b"+ z.txt" in r.stderr and b"1 paths (1 added" in r.stderr
     r = rewind_cli("diff", "no-such-machine-or-point", env=env)
     assert r.returncode == 1 and r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr
     r = rewind_cli("diff", stepped["after"].id, "--content", "/root/proj/edit.txt", env=env)

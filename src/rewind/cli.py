@@ -257,7 +257,8 @@ def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_fil
 @click.option("--online", is_flag=True, help="Let the copy use the network (by default it has none).")
 @click.option("--cwd", default=None, help="Working directory in the guest (default /root).")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds for each command.")
-@click.option("--diff", "show_diff", is_flag=True, help="Then say what the step changed in the copy.")
+@click.option("--diff", "show_diff", is_flag=True,
+              help="Say what the step changed in the copy (with --json: its `diff`).")
 @store_option
 @json_option
 def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd: str | None, timeout: float,
@@ -266,7 +267,7 @@ def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd
     from rewind.sandbox import try_in_copy
 
     outcome = try_in_copy(_sandbox(name, store_dir), " ".join(step), verify, offline=not online,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, diff=show_diff)
     if as_json:
         emit_json(outcome.to_json())
     else:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rewind.bench.model import Report
 from rewind.bench.ours import Progress, timed
 from rewind.engine import gueststate
+from rewind.guard.trial import try_in_copy
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 
@@ -65,6 +66,21 @@ def flush_cost(sbx: Sandbox, report: Report, rounds: int, progress: Progress) ->
                "checkpoint call just after 1 MiB was written (flush included)", "s", calls)
 
 
+def try_cost(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> None:
+    """A failed try of a 1 MiB step, with the copy's diff (the default) and without."""
+    progress("diff: what the copy's diff adds to a try")
+    engine, store = sbx._machine.engine, sbx._store
+
+    def attempt(with_diff: bool) -> None:
+        try_in_copy(engine, sbx._machine, store, "head -c 1M /dev/urandom > /root/t && false", None,
+                    diff=with_diff)
+    for with_diff in (True, False):
+        samples = [timed(lambda: attempt(with_diff)) for _ in range(rounds)]  # noqa: B023 (called at once)
+        report.add(f"try_{'with' if with_diff else 'without'}_diff_s",
+                   f"a failed try of a 1 MiB step, {'with' if with_diff else 'without'} the copy's diff", "s",
+                   samples)
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     with tempfile.TemporaryDirectory(prefix="rewind-bench-diff-") as tmp:
@@ -77,6 +93,7 @@ def main() -> None:
             progress = lambda step: print(f"  {step}", file=sys.stderr, flush=True)  # noqa: E731
             flush_cost(sbx, report, rounds, progress)
             diff_times(sbx, report, rounds, progress)
+            try_cost(sbx, report, rounds, progress)
         finally:
             sbx.delete()
             shutil.rmtree(home.runtime, ignore_errors=True)

@@ -102,6 +102,7 @@ class TryBody(BaseModel):
     offline: bool = True
     cwd: str | None = None
     timeout: float = 600.0
+    diff: bool = True  # the outcome's `diff`: what the step changed in the copy
 
 
 class CheckpointBody(BaseModel):

@@ -209,8 +209,9 @@ class RemoteSandbox:
         return wire.guarded_from(self._call("POST", "/guarded", json=body))
 
     def try_in_copy(self, step: str, verify: str | None = None, *, offline: bool = True,
-                    cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
-        body = {"step": step, "verify": verify, "offline": offline, "cwd": cwd, "timeout": timeout}
+                    cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT, diff: bool = True) -> Outcome:
+        body = {"step": step, "verify": verify, "offline": offline, "cwd": cwd, "timeout": timeout,
+                "diff": diff}
         return wire.outcome_from(self._call("POST", "/try", json=body))
 
     def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,

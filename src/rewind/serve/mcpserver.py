@@ -115,10 +115,11 @@ def build_server(service: Service) -> MCPServer:
 
     @tool(RUN)
     def try_in_copy(name: str, step: str, verify: str | None = None, offline: bool = True,
-                    cwd: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+                    cwd: str | None = None, timeout: float = 600.0, diff: bool = True) -> dict[str, Any]:
         """Run `step`, then `verify`, in a live copy of the machine (offline by default). If both
-        exit 0 the copy replaces the machine; otherwise the machine never saw the step."""
-        return service.try_in_copy(name, step, verify, offline=offline, cwd=cwd, timeout=timeout)
+        exit 0 the copy replaces the machine; otherwise the machine never saw the step. `diff`:
+        the result says what the step changed in the copy, kept or not."""
+        return service.try_in_copy(name, step, verify, offline=offline, cwd=cwd, timeout=timeout, diff=diff)
 
     @tool(READ)
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
