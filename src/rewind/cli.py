@@ -557,7 +557,12 @@ def diff(first: str, second: str | None, globs: tuple[str, ...], content_path: s
     `diff REF1 REF2` from one point to another; `diff REF` from REF's parent to REF."""
     from rewind.engine import diff as engine_diff
 
-    _local_only("rewind diff")
+    remote = _remote()
+    if remote is not None:  # there, FIRST names a machine
+        if content_path is not None:
+            raise InvalidArgument("--content works on this host only; unset REWIND_URL to use it")
+        _print_diff(remote.get(first).diff(second or "~0", noise=noise, paths=list(globs) or None), as_json)
+        return
     store = _store(store_dir)
     engine = Engine()
     try:

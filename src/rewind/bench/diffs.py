@@ -1,6 +1,6 @@
 """What `diff` costs: between two points 1 MiB and 100 MiB of file changes apart (read on the
 host from the layers that differ), against the machine now, and what the guest's flush adds
-to a checkpoint call. `python -m rewind.bench.diffs` runs this section alone."""
+to a checkpoint call. `scripts/bench-diff` runs this section alone (main)."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def try_cost(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> N
                    samples)
 
 
-def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+def main(args: list[str]) -> None:
+    rounds = int(args[0]) if args else 5
     with tempfile.TemporaryDirectory(prefix="rewind-bench-diff-") as tmp:
         home = Home(root=Path(tmp), images=Home.from_env().images)
         report = Report(machine={}, quick=False, rounds=rounds)
@@ -101,6 +101,3 @@ def main() -> None:
         samples = " ".join(f"{s:.3f}" for s in m.samples)
         print(f"{m.key:28} median {m.median:8.3f} {m.unit:3}  ({samples})  {m.what}")
 
-
-if __name__ == "__main__":
-    main()
