@@ -171,3 +171,7 @@ def test_over_http(sbx: Sandbox, shared_home: Home, stepped: dict, tmp_path: Pat
         assert d.listening_opened == ["tcp 0.0.0.0:8123"]
         assert set(_changes(remote.diff(stepped["before"].id, stepped["after"].id, paths=["/usr/*"]))) == \
             {p for p in EXPECTED if p.startswith("/usr/")}
+        r = rewind_cli("diff", sbx.name, stepped["before"].id, "--json", env={"REWIND_URL": url})
+        assert r.returncode == 0, r.stderr
+        files = {f["path"]: f["kind"] for f in json.loads(r.stdout)["files"] if not f["noise"]}
+        assert files == _changes(sbx.diff(stepped["before"])) and "/root/proj/gone.txt" in files
