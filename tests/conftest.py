@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from rewind import Home, RewindError, Sandbox
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
+from rewind.engine.machine import Engine
 from rewind.engine.qemu import process_alive
 from rewind.image import build_image
 

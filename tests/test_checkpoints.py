@@ -4,6 +4,7 @@ from a point, forks, history that survives deletions, corruption refused."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,12 +18,12 @@ import pytest
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
-from rewind.engine import pending, snapshot
+from rewind.engine import pending, timeline
 from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
-from rewind.store import CheckpointExists, CorruptChunk, Store
+from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, Store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
 # first that the file still holds what it last wrote. Memory and disk captured at different
@@ -252,7 +253,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
     checkpoint saved a record read before, and turned the internet back on)."""
     sbx = Sandbox.create("racer", home=home)
     other = Sandbox.get("racer", home=home)
-    real_capture = snapshot.capture
+    real_capture = timeline.capture
 
     def capture_while_rules_change(*args: object, **kwargs: object) -> object:
         changer = threading.Thread(target=other.network.off)
@@ -261,7 +262,7 @@ def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pyt
         assert not changer.is_alive(), "setting the rules waited for the checkpoint"
         return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(snapshot, "capture", capture_while_rules_change)
+    monkeypatch.setattr(timeline, "capture", capture_while_rules_change)
     sbx.checkpoint()
     assert Sandbox.get("racer", home=home).network.get()["internet"] is False
 
@@ -288,7 +289,7 @@ def test_a_checkpoint_cut_short_after_its_capture_loses_nothing(home: Home,
         raise KeyboardInterrupt  # as a kill would stop it
 
     with monkeypatch.context() as patch:
-        patch.setattr(machine_module.Machine, "_save", killed)
+        patch.setattr(machine_module.Machine, "save", killed)
         with pytest.raises(KeyboardInterrupt):
             sbx.checkpoint()
     sbx.files.write("/root/after", "2")
@@ -386,3 +387,32 @@ def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> Non
     first = Store.open(home.store).get(base.id).blobs["ram"]
     same = sum(a == b for a, b in zip(first.chunks, manifest.blobs["ram"].chunks, strict=True))
     assert same > len(first.chunks) // 2
+
+
+def test_a_first_checkpoint_is_stored_by_its_changes_from_the_template(home: Home) -> None:
+    """A new machine maps its template's memory; its first point is stored from the chunks its
+    QEMU wrote since, the rest taken from the template's memory, stored once per store.
+    Stored so, the memory must come back byte for byte once the local copies are gone."""
+    sbx = Sandbox.create("fresh", home=home)
+    template_ram = Path(sbx._machine.record.ram)
+    sbx.exec("head -c 8M /dev/urandom > /dev/shm/pattern && sha256sum /dev/shm/pattern > /root/pattern.sum",
+             check=True)
+    point = sbx.checkpoint(wait=True)
+    store = Store.open(home.store)
+    ram = store.get(point.id).blobs["ram"]
+    caches = Caches.of(home.root, home.runtime)
+    st = template_ram.stat()
+    key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{ram.chunk_size}.json"
+    template = BlobIndex.from_json(json.loads(key.read_text()))  # the template's memory, stored
+    assert store.has_chunks(template)
+    same = sum(a == b for a, b in zip(template.chunks, ram.chunks, strict=True))
+    assert same > len(template.chunks) // 2
+    captured = caches.ram / f"{point.id}.ram"
+    with captured.open("rb") as f:
+        as_captured = blake3.blake3(f.read()).hexdigest()
+    captured.unlink()
+    (caches.ram / f"{blob_digest(ram)}.ram").unlink()
+    again = Sandbox.create("fresh-again", from_checkpoint=point.id, home=home)
+    with (caches.ram / f"{blob_digest(ram)}.ram").open("rb") as f:
+        assert blake3.blake3(f.read()).hexdigest() == as_captured
+    assert again.exec("sha256sum -c /root/pattern.sum").ok

@@ -217,3 +217,24 @@ def test_a_runtime_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(ours)
     with pytest.raises(RewindError, match="not a folder of this user's"):
         private_runtime(tmp_path / "link")
+
+
+def test_a_guest_agent_that_cannot_restart_is_reported_at_once(home: Home) -> None:
+    """A step that removes the guest's python3 leaves the running agent answering; once its
+    processes end, init cannot restart it. The next command says so within seconds (not after
+    the 30 s connect timeout) and points to restore, which brings the machine back."""
+    sbx = Sandbox.create("agentless", home=home)
+    sbx.checkpoint()
+    sbx.exec("mv /usr/bin/python3 /usr/bin/python3.gone && "
+             "setsid sh -c 'sleep 0.3; pkill -KILL -f /usr/lib/rewind/agent.py' </dev/null >/dev/null 2>&1 &",
+             check=True)
+    deadline = time.monotonic() + 30
+    with pytest.raises(AgentGone):  # the agent is killed a moment after that exec returned
+        while time.monotonic() < deadline:
+            sbx.exec("true")
+    started = time.monotonic()
+    with pytest.raises(AgentGone, match=r"not running.*rewind restore agentless ~0"):
+        sbx.exec("true")
+    assert time.monotonic() - started < 10
+    sbx.restore("~0")
+    assert sbx.exec("test -x /usr/bin/python3 && echo back").stdout == "back\n"

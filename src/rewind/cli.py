@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
+    from rewind.engine.machine import Engine
     from rewind.sandbox import Checkpoint, Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, Store
@@ -79,6 +80,12 @@ def progress(enabled: bool) -> Iterator[Callable[[str], None]]:
         yield report
 
 
+def _engine() -> Engine:
+    from rewind.engine.machine import Engine
+
+    return Engine()
+
+
 def _remote() -> Remote | None:
     """The daemon at $REWIND_URL, if one is set: verbs on machines and checkpoints go there."""
     if not os.environ.get("REWIND_URL"):
@@ -107,7 +114,8 @@ def _local_only(what: str) -> None:
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
-                            help="Checkpoint store (default: $REWIND_HOME/store).")
+                            help="Checkpoint store: a folder, or s3://bucket/prefix "
+                                 "(default: $REWIND_STORE, else $REWIND_HOME/store).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -136,7 +144,7 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
 
     remote = _remote()
     maker: Sandbox | Remote = Sandbox if remote is None else remote  # type: ignore[assignment]
-    existing = {m.name for m in (Engine().list() if remote is None else remote.list())}
+    existing = {m.name for m in (_engine().list() if remote is None else remote.list())}
     with progress(not as_json) as report:
         if name in existing:
             sbx = _sandbox(name)
@@ -382,7 +390,7 @@ def cp(source: str, dest: str, as_json: bool) -> None:
 def ls(labels: tuple[str, ...], as_json: bool) -> None:
     """List machines and their status (running, stopped, dead)."""
     remote, wanted = _remote(), parse_pairs(labels, "--label")
-    infos = [m.info() for m in (Engine().list(wanted) if remote is None else remote.list(wanted))]
+    infos = [m.info() for m in (_engine().list(wanted) if remote is None else remote.list(wanted))]
     if as_json:
         emit_json([dataclasses.asdict(i) for i in infos])
         return
@@ -446,7 +454,7 @@ def _store(store_dir: str | None) -> Store:
     """The store, with every checkpoint still being stored in it (see engine/pending.py)."""
     from rewind.sandbox import open_store
 
-    engine = Engine()
+    engine = _engine()
     engine.settle()
     return open_store(engine.home, store_dir)
 
@@ -471,7 +479,7 @@ def _source(source: str) -> str | CheckpointManifest:
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument(f"{source} is not a checkpoint file ({e})") from e
     try:
-        machine = Engine().get(source)
+        machine = _engine().get(source)
     except (InvalidArgument, NotFound):
         return source
     parent = pending.surviving(machine.engine.home, machine.record.parent)
@@ -646,7 +654,7 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
     if remote is not None and not _is_file(source):
         info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
-        engine = Engine()  # a point not yet stored runs from its capture: no settle here
+        engine = _engine()  # a point not yet stored runs from its capture: no settle here
         info = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
                                   labels=wanted, at=at).info()
     if as_json:
@@ -667,7 +675,7 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
     names: list[str | None] = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
     remote = _remote()
     if remote is None:
-        engine = Engine()
+        engine = _engine()
         made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
     else:
         made = [child.info() for child in remote.get(source).fork_many(names=names)]
@@ -749,6 +757,30 @@ def store_check(read_data: bool, store_dir: str | None, as_json: bool) -> None:
         sys.exit(1)
 
 
+@store_group.command(name="push")
+@store_option
+@json_option
+def store_push(store_dir: str | None, as_json: bool) -> None:
+    """Upload now what this host committed to an s3:// store and has not uploaded yet."""
+    from rewind.store.cache import CachedStore
+
+    _local_only("store push")
+    store = _store(store_dir)
+    if not isinstance(store, CachedStore):
+        raise InvalidArgument(f"{store.root} is a store on this host: there is nothing to upload")
+    report = store.push()
+    if as_json:
+        emit_json(dataclasses.asdict(report))
+    else:
+        for problem in report.problems:
+            click.echo(f"problem: {problem}")
+        click.echo(f"uploaded {len(report.points)} checkpoint(s) to {store.url}: {report.chunks} chunk(s), "
+                   f"{report.bytes / (1 << 20):.1f} MiB in {report.seconds:.2f} s; "
+                   f"{len(store.queued())} still queued")
+    if report.problems:
+        sys.exit(1)
+
+
 @cli.command(name="export")
 @click.argument("ref")
 @click.argument("file", type=click.Path(dir_okay=False))
@@ -796,7 +828,7 @@ def image_build(force: bool, as_json: bool) -> None:
     """Build the default guest image (Debian packages) and its booted template."""
     from rewind.image import build_image
 
-    engine = Engine()
+    engine = _engine()
     started = time.monotonic()
     with progress(not as_json) as report:
         built = build_image(engine.home.images, force=force, report=report)
@@ -825,7 +857,7 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) 
     """
     from rewind.image import import_image
 
-    imported = import_image(Engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
+    imported = import_image(_engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
     if as_json:
         emit_json({"id": imported.id, "path": str(imported.path), "disk_size_mib": imported.disk_size_mib})
     else:
@@ -841,7 +873,7 @@ def image_ls(as_json: bool) -> None:
     default = recipe_id()
     rows = [{"id": i.id, "default": i.id == default, "kernel": i.kernel_version,
              "disk_size_mib": i.disk_size_mib, "path": str(i.path)}
-            for i in list_images(Engine().home.images)]
+            for i in list_images(_engine().home.images)]
     if as_json:
         emit_json(rows)
         return
@@ -884,7 +916,7 @@ def doctor(as_json: bool) -> None:
     from rewind.engine.template import find_template
     from rewind.image import find_image, recipe_id
 
-    engine = Engine()
+    engine = _engine()
     qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
     report: dict[str, Any] = {
         "home": str(engine.home.root),
@@ -902,6 +934,7 @@ def doctor(as_json: bool) -> None:
     except ImageError as e:
         report.update(image=str(e), accel=None)
     report["machines"] = {m.name: m.status() for m in engine.list()}
+    report.update(_store_status(engine, as_json))
     use = ramcache.usage(Caches.of(engine.home.root, engine.home.runtime).ram)
     report["memory_images"] = use.to_json() if as_json else (
         f"{use.images} on tmpfs, {use.bytes / (1 << 20):.0f} MiB of a {use.budget >> 20} MiB budget "
@@ -913,6 +946,31 @@ def doctor(as_json: bool) -> None:
         click.echo(f"{key:>16}: {value}")
 
 
+def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
+    """Which store is in use, and whether it answers (doctor)."""
+    from rewind.store import Store, StoreError
+    from rewind.store.backends import is_remote
+    from rewind.store.cache import CachedStore
+
+    spec = os.environ.get("REWIND_STORE") or str(engine.home.store)
+    if not is_remote(spec):
+        made = (Path(spec) / "config.json").exists()
+        return {"store": spec, "store_status": "a folder on this host" + ("" if made else ", not made yet")}
+    try:
+        store = Store.open(spec, create=True, home=engine.home.root)
+    except StoreError as e:
+        return {"store": spec, "store_status": f"does not answer: {e}"}
+    assert isinstance(store, CachedStore)
+    status = store.status()
+    if as_json:
+        return {"store": spec, "store_status": dataclasses.asdict(status)}
+    said = "answers" if status.answers else "does not answer"
+    conditional = {True: "yes", False: "no (names are claimed by look-then-write)", None: "unknown"}
+    return {"store": spec, "store_status": f"{said}: {status.detail}; {status.queued} checkpoint(s) queued "
+            f"for upload; conditional writes: {conditional[status.conditional_writes]}",
+            "store_cache": status.cache}
+
+
 @cli.command()
 @click.option("--keep", is_flag=True, help="Leave the demo machine running afterwards.")
 def demo(keep: bool) -> None:
@@ -920,7 +978,7 @@ def demo(keep: bool) -> None:
     from rewind.image import build_image
     from rewind.sandbox import Sandbox
 
-    engine = Engine()
+    engine = _engine()
     with progress(True) as report:
         build_image(engine.home.images, report=report)
         engine.template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS, report=report)

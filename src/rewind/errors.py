@@ -21,7 +21,8 @@ the code by tests/test_api.py (a new error class must be placed in it):
     ├── CommandFailed                        exec(check=True) of a command that exited non-zero
     ├── store.StoreError                     BadRef, UnknownCheckpoint, CheckpointExists and
     │   ├── store.CorruptChunk               StoreBusy are StoreErrors too
-    │   └── store.BadExport
+    │   ├── store.BadExport
+    │   └── store.RemoteUnavailable          the bucket of an s3:// store did not answer or refused
     ├── engine.qemu.QemuError                QEMU would not start or run
     ├── engine.qmp.MonitorError              QEMU refused a QMP command, or its monitor is gone
     ├── engine.migstream.StreamError         a memory capture could not be written out
@@ -29,7 +30,8 @@ the code by tests/test_api.py (a new error class must be placed in it):
     ├── engine.qcow2.LayerError              a disk layer cannot be read on the host (diff)
     │   └── engine.ext4view.FsError          nor the file system on the disk
     ├── guard.gittier.GitTierError           the git tier could not save or put back a project
-    └── guard.guarded.Refused                guarded() will not run a command outside the machine
+    ├── guard.guarded.Refused                guarded() will not run a command outside the machine
+    └── fleet.NodeLost                       the Ray node that ran a machine is gone, and the machine
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import ExecResult
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine, Machine, MachineInfo
+from rewind.engine.machine import Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.trial import DEFAULT_TIMEOUT
@@ -81,9 +82,10 @@ def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
 
 
 def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
+    """The store named (a folder or s3://bucket/prefix), else $REWIND_STORE, else the home's."""
     from rewind.store import Store
 
-    return Store.open(store or home.store, create=True)
+    return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root)
 
 Command = str | list[str]
 MAX_CONTEXT = 64 * 1024

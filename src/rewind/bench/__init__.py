@@ -16,7 +16,8 @@ from rewind.bench import diffs, faces, loop, ours
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import run_peers
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, Engine
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
+from rewind.engine.machine import Engine
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.home import Home
 from rewind.sandbox import Sandbox

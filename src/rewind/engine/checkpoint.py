@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,23 +56,27 @@ class Caches:
                    devstate=root / "cache" / "devstate", blobs=root / "cache" / "blobs")
 
 
-def put_immutable(store: Store, caches: Caches, path: Path) -> BlobIndex:
-    """Store a file that never changes (a frozen disk layer), hashing it only once per host."""
+def put_immutable(store: Store, caches: Caches, path: Path, chunk_size: int | None = None,
+                  cache_name: Callable[[BlobIndex], Path] | None = None) -> BlobIndex:
+    """Store a file that never changes (a frozen disk layer, a template's memory), hashing it
+    only once per host; `cache_name` gives it a name in a local cache too (see _link_into)."""
+    chunk_size = store.chunk_size if chunk_size is None else chunk_size
     st = path.stat()
-    key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}.json"
+    key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{chunk_size}.json"
     try:
         blob = BlobIndex.from_json(json.loads(key.read_text()))
-        if blob.chunk_size == store.chunk_size and store.has_chunks(blob):
+        if blob.chunk_size == chunk_size and store.has_chunks(blob):
             return blob
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    blob = store.put_blob(path)
+    blob = store.put_blob(path, chunk_size=chunk_size)
     fsync_file(path)  # the cache below trusts it whole: QEMU wrote it without syncing
     key.parent.mkdir(parents=True, exist_ok=True)
     tmp = key.with_name(f".{key.name}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps(blob.to_json()))
     os.replace(tmp, key)
-    _link_into(path, layer_path(caches, blob))
+    if cache_name is not None:
+        _link_into(path, cache_name(blob))
     return blob
 
 
@@ -92,27 +97,34 @@ def _link_into(path: Path, dest: Path) -> None:
 def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: SavedState, *, machine: str,
                    parent: str | None, name: str | None, labels: dict[str, str] | None, meta: dict,
                    history: int = DEFAULT_HISTORY, ram_base: str | None = None,
-                   ram_changed: list[list[int]] | None = None) -> CheckpointManifest:
+                   ram_changed: list[list[int]] | None = None,
+                   ram_base_file: str | None = None, ram_base_inode: int | None = None) -> CheckpointManifest:
     """Put a captured state's files into the store and commit it as checkpoint `checkpoint_id`.
     The files keep their names (machines may run on them) and get their cache names too.
 
     Memory is hashed chunk by chunk (holes are not read) and only chunks the store lacks are
     compressed and written: between two points 1 MiB of files apart, about 18 MiB of 512
     differ here. With `ram_changed`, the chunks that may differ from checkpoint `ram_base`'s
-    memory (see pagemap.py), only those are read at all; the others are `ram_base`'s."""
+    memory (see pagemap.py), only those are read at all; the others are `ram_base`'s. A
+    machine still on its template's memory has no such checkpoint: `ram_base_file`, the
+    template's memory file (still inode `ram_base_inode`), is then stored once (per store,
+    hashed once per host) and is the base: a new machine's first checkpoint stores only what
+    differs from its template."""
     with store.lock():
         try:  # committed before: a committer killed after its manifest, before its journal went
             return store.get(checkpoint_id)
         except LookupError:
             pass
-        known, unchanged = _unchanged_ram(store, state.ram, ram_base, ram_changed)
-        if known is not None:
+        base_file = None if ram_base_file is None else (Path(ram_base_file), ram_base_inode)
+        known, unchanged = _unchanged_ram(store, caches, state.ram, ram_base, ram_changed, base_file)
+        if known is not None and ram_base is not None:
             meta = {**meta, "ram_base": ram_base}  # where its unchanged memory was taken from
         blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known,
                                        unchanged=unchanged),
                  "devstate": store.put_blob(state.devstate)}
         for i, layer in enumerate(state.disks):
-            blobs[f"disk.{i}"] = put_immutable(store, caches, layer)
+            blobs[f"disk.{i}"] = put_immutable(store, caches, layer,
+                                               cache_name=lambda blob: layer_path(caches, blob))
         common = {"name": name, "labels": labels, "meta": {**meta, "layers": len(state.disks)},
                   "history": history, "checkpoint_id": checkpoint_id}
         try:
@@ -125,16 +137,22 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
     return manifest
 
 
-def _unchanged_ram(store: Store, ram: Path, base: str | None,
-                   changed: list[list[int]] | None) -> tuple[BlobIndex | None, set[int] | None]:
-    """The memory index of checkpoint `base` and the chunks of `ram` that are as in it (all
-    but `changed`), or (None, None) where that cannot be used: no base, a base not stored
-    (yet, or any more), or one of another size."""
-    if base is None or changed is None:
+def _unchanged_ram(store: Store, caches: Caches, ram: Path, base: str | None, changed: list[list[int]] | None,
+                   base_file: tuple[Path, int | None] | None) -> tuple[BlobIndex | None, set[int] | None]:
+    """The memory index of checkpoint `base` (or of the immutable file `base_file`, given with
+    its inode) and the chunks of `ram` that are as in it (all but `changed`), or (None, None)
+    where that cannot be used: no base, a base not stored (yet, or any more), a base file
+    gone or made again, or one of another size."""
+    if changed is None:
         return None, None
     try:
-        known = store.get(base).blobs.get("ram")
-    except LookupError:
+        if base is not None:
+            known = store.get(base).blobs.get("ram")
+        elif base_file is not None and os.stat(base_file[0]).st_ino == base_file[1]:
+            known = put_immutable(store, caches, base_file[0], chunk_size=RAM_CHUNK_SIZE)
+        else:
+            return None, None
+    except (LookupError, OSError):
         return None, None
     size = ram.stat().st_size
     if known is None or known.chunk_size != RAM_CHUNK_SIZE or known.size != size:

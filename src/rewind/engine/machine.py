@@ -27,12 +27,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import gueststate, netfilter
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB, netfilter
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
-from rewind.engine.memfiles import blank_layer, private_runtime
+from rewind.engine.memfiles import blank_layer
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
+    AGENT_CHARDEV,
     AGENT_PORTS,
     QMP_SOCKET,
     QMP_WARM_SOCKET,
@@ -46,6 +47,7 @@ from rewind.engine.qemu import (
 )
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.errors import (
+    AgentGone,
     AlreadyExists,
     Busy,
     ImageError,
@@ -57,8 +59,7 @@ from rewind.errors import (
 )
 from rewind.home import Home
 from rewind.store.durable import replace_durably
-from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
-from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
+from rewind.store.model import DEFAULT_HISTORY
 
 # What only creating, checkpointing and restoring use is imported where it is used: a
 # command that runs something in a machine (`rewind exec`) then starts in 0.13 s, not 0.3.
@@ -71,11 +72,8 @@ if TYPE_CHECKING:
     from rewind.image import Image
     from rewind.store import CheckpointManifest, Store
 
-DEFAULT_MEMORY_MIB = 512
-DEFAULT_CPUS = 2
-MIN_MEMORY_MIB = 192  # below this the guest's kernel and agent do not fit
-MAX_CPUS = 64
-MAX_DISK_MIB = 16 << 20  # 16 TiB
+# The agent's ports close while init restarts it; that took under a second in a TCG guest.
+AGENT_RESTART_GRACE = 3.0
 LOCK_TIMEOUT = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
 RECORD = "machine.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -104,14 +102,6 @@ def parse_labels(labels: dict[str, str] | None) -> dict[str, str]:
             raise InvalidArgument(f"invalid value for label {key!r}")
         out[key] = value
     return out
-
-
-def _names_a_checkpoint(store: Store, name: str) -> bool:
-    try:
-        store.get(name)
-    except (UnknownCheckpoint, BadRef):  # BadRef: a name such as "c0" also reads as a short id
-        return False
-    return True
 
 
 def _report_lost(messages: list[str]) -> None:
@@ -192,6 +182,7 @@ class Machine:
         self.engine = engine
         self.path = path
         self.record = record
+        self._agent_closed_since: float | None = None  # see _agent_silent
 
     @property
     def name(self) -> str:
@@ -203,18 +194,24 @@ class Machine:
         except FileNotFoundError as e:
             raise NotFound(f"machine {self.name!r} no longer exists") from e
 
-    def _save(self) -> None:
+    def locked(self, shared: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The machine lock: exclusive for lifecycle changes (start, stop, restore, delete),
+        shared for sessions and checkpoints."""
+        what = f"machine {self.name!r}"
+        return file_lock(self.path / "lock", shared=shared, timeout=LOCK_TIMEOUT, what=what)
+
+    def save(self) -> None:
         """Write the record; the caller holds the machine lock exclusively (else see _update)."""
         replace_durably(self.path / RECORD, json.dumps(asdict(self.record), indent=2).encode())
 
-    def _update(self, change: Callable[[MachineRecord], None]) -> None:
+    def update(self, change: Callable[[MachineRecord], None]) -> None:
         """Reload the record, change it and save it under the record lock: for commands that
         hold the machine lock shared (a checkpoint, new network rules), which would otherwise
         undo each other's changes."""
         with file_lock(self.path / "record.lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
             self.reload()
             change(self.record)
-            self._save()
+            self.save()
 
     # ---- status ----
 
@@ -241,9 +238,11 @@ class Machine:
                                     f"`rewind start {self.name}`")
 
     def _agent_silent(self) -> None:
-        """What an agent session checks when the guest does not answer: that QEMU runs, and
-        that the guest is not left paused by a checkpoint whose caller died between stopping
-        it and starting the capture (then it is resumed, unless a checkpoint is under way)."""
+        """What an agent session checks when the guest does not answer: that QEMU runs; that
+        the guest is not left paused by a checkpoint whose caller died between stopping it and
+        starting the capture (then it is resumed, unless a checkpoint is under way); and that
+        the guest agent still has its ports open, else it is reported gone within
+        AGENT_RESTART_GRACE instead of waited on for the whole connect timeout."""
         self.check_alive()
         try:
             with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"), \
@@ -251,8 +250,20 @@ class Machine:
                 if mon.cmd("query-status").get("status") == "paused" and \
                         mon.cmd("query-migrate").get("status") not in ("setup", "active"):
                     mon.cmd("cont")
+                listening = any(c.get("frontend-open") for c in mon.cmd("query-chardev")
+                                if c.get("label", "").startswith(AGENT_CHARDEV))
         except (Busy, MonitorError):
-            pass
+            return
+        now = time.monotonic()
+        if listening:
+            self._agent_closed_since = None
+            return
+        self._agent_closed_since = self._agent_closed_since or now
+        if now - self._agent_closed_since > AGENT_RESTART_GRACE:
+            raise AgentGone(f"machine {self.name!r}: its guest agent is not running and has not restarted "
+                            f"for {AGENT_RESTART_GRACE:.0f} s (a command may have removed what it runs on, "
+                            f"such as the guest's python3); `rewind restore {self.name} ~0` puts the machine "
+                            "back to its last checkpoint")
 
     # ---- sessions ----
 
@@ -287,7 +298,7 @@ class Machine:
         reopens a layer by the path it was given (a renamed machine keeps its QEMU)."""
         return self.engine.home.root / "disks" / self.record.uuid
 
-    def _new_top(self) -> Path:
+    def new_top(self) -> Path:
         """A new, empty top layer for the disk, over the current chain's top."""
         self.disk_dir.mkdir(parents=True, exist_ok=True)
         top = self.disk_dir / f"disk-{secrets.token_hex(4)}.qcow2"
@@ -303,8 +314,8 @@ class Machine:
 
         def change(record: MachineRecord) -> None:
             record.labels = {k: v for k, v in {**record.labels, **added}.items() if k not in removed}
-        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            self._update(change)
+        with self.locked(shared=True):
+            self.update(change)
         return dict(self.record.labels)
 
     @property
@@ -313,8 +324,8 @@ class Machine:
 
     def set_network(self, rules: NetworkRules) -> None:
         """Apply new network rules now (if running) and from every later start."""
-        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            self._update(lambda r: setattr(r, "network", rules.to_json()))
+        with self.locked(shared=True):
+            self.update(lambda r: setattr(r, "network", rules.to_json()))
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
@@ -331,7 +342,7 @@ class Machine:
         go nowhere); the filter must be ready by the block's end."""
         r = self.record
         r.pid = None
-        filter_proc = netfilter.spawn(self.path, r.uuid, self.network)
+        filter_proc = netfilter.spawn(self.engine.home.runtime, self.path, r.uuid, self.network)
         try:
             r.pid = launch(spec, self.path)
             yield
@@ -341,15 +352,15 @@ class Machine:
                 kill(r.pid, r.uuid)
             filter_proc.kill()
             filter_proc.wait()
-            netfilter.stop(self.path, r.uuid)
+            netfilter.stop(self.path)
             raise
 
-    def _start_from_state(self, state: SavedState) -> None:
+    def start_from_state(self, state: SavedState) -> None:
         """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
         device state loaded, its disk layers below a new top layer of this machine's;
         then give the guest this machine's identity."""
         self.record.disks = [str(d) for d in state.disks]
-        self.record.disks.append(str(self._new_top()))
+        self.record.disks.append(str(self.new_top()))
         self.record.ram, self.record.ram_point = str(state.ram), state.point
         with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
             mon.cmd("migrate-set-capabilities",
@@ -381,7 +392,7 @@ class Machine:
             client.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                                 seed=secrets.token_hex(32), time=time.time())
 
-    def _grow_disk(self, disk_mib: int) -> None:
+    def grow_disk(self, disk_mib: int) -> None:
         """Grow the virtual disk (the guest sees the new size at once) and its file system."""
         with self.monitor() as mon:
             mon.cmd("block_resize", **{"node-name": disk_node(len(self.record.disks) - 1),
@@ -393,25 +404,25 @@ class Machine:
 
     def start(self, report: Report = lambda _: None) -> None:
         """Start a stopped machine (cold boot from its disk)."""
-        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+        with self.locked():
             self.reload()
             if self.status() == "running":
                 return
             self._boot(report)
             self.record.state = "running"
-            self._save()
+            self.save()
 
     def stop(self) -> None:
         """Flush the guest's disk and end its QEMU. Files survive; processes do not."""
         self._settle_before_ending()
-        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+        with self.locked():
             self.reload()
             if self.status() == "running":
                 self._shutdown()
-            self._cleanup_runtime()
+            self.cleanup_runtime()
             self.record.state = "stopped"
             self.record.pid = None
-            self._save()
+            self.save()
         _trim_images(self.engine.home)
 
     def _shutdown(self) -> None:
@@ -430,8 +441,8 @@ class Machine:
         if not wait_exit(r.pid, r.uuid, 10):
             kill(r.pid, r.uuid)
 
-    def _cleanup_runtime(self) -> None:
-        netfilter.stop(self.path, self.record.uuid)
+    def cleanup_runtime(self) -> None:
+        netfilter.stop(self.path)
         for name in (QMP_SOCKET, QMP_WARM_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
@@ -448,113 +459,19 @@ class Machine:
         `context`, the caller's own state, is kept in the point's meta as given.
 
         Returns once the moment is captured; QEMU writing memory out and the commit into the
-        store go on in the background (pending.py): `settle` waits for them."""
-        from rewind.engine import pending
+        store go on in the background (pending.py): `settle` waits for them. The flow is
+        timeline.checkpoint."""
+        from rewind.engine import timeline
 
-        if name is not None:
-            validate_checkpoint_name(name)
-            if name in pending.pending_names(self.engine.home) or _names_a_checkpoint(store, name):
-                raise CheckpointExists(f"checkpoint name {name!r} is taken")
-        # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
-        with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            return self._capture_point(store, name, labels, history, live, start_first, held, context)
-
-    def _capture_point(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                       history: int = DEFAULT_HISTORY, live: bool = True, start_first: bool = False,
-                       held: bool = False, context: str | None = None) -> PendingCheckpoint:
-        """checkpoint(), for a caller holding the machine lock."""
-        try:
-            with file_lock(self.path / "checkpoint.lock", timeout=0, what=f"machine {self.name!r}"):
-                self.reload()
-                return self._checkpoint(store, name, labels, history, live, start_first, held, context)
-        except Busy as e:
-            raise Busy(f"a checkpoint of machine {self.name!r} is already running") from e
-
-    def _checkpoint(self, store: Store, name: str | None, labels: dict[str, str] | None,
-                    history: int, live: bool, start_first: bool, held: bool,
-                    context: str | None) -> PendingCheckpoint:
-        from rewind.engine import pending
-        from rewind.engine.checkpoint import Caches
-        from rewind.engine.pending import PendingCheckpoint
-        from rewind.engine.snapshot import capture, ensure_populated
-        from rewind.store import new_checkpoint_id
-
-        home = self.engine.home
-        caches = Caches.of(home.root, private_runtime(home.runtime))
-        for folder in (caches.ram, caches.devstate, caches.layers):
-            folder.mkdir(parents=True, exist_ok=True)
-        point_id = new_checkpoint_id()
-        self.check_alive()
-        pending.ensure_room(home, self.record.memory_mib << 20, f"a checkpoint of {self.name!r}")
-        guest = gueststate.flush(self.path)  # its files on its disk, for diffs (see gueststate.py)
-        with self.monitor() as mon:
-            r = self.record
-            self._reconcile_disks(mon)
-            top = Path(r.disks[-1])
-            new_top = self._new_top()
-            if live and not held:
-                ensure_populated(mon, self.disk_dir, r.pid, r.memory_mib)
-            cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
-                          new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
-                          ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
-                          held=held)
-            changed = self._ram_changed()
-            monitor = None
-            if not live:
-                # Its memory is written out later, by its committer, through the QMP socket
-                # moved aside: the path is its successor's from now on.
-                monitor = caches.devstate / f"{point_id}.qmp"
-                os.replace(self.path / QMP_SOCKET, monitor)
-            # The frozen layer leaves this machine's folder (QEMU keeps its open file): a
-            # branch may run on it after this machine is gone. Its old name goes only once the
-            # record names the new layers: a kill in between leaves the record true.
-            frozen = caches.layers / f"{point_id}.qcow2"
-            os.link(top, frozen)
-            disks = [*r.disks[:-1], str(frozen)]
-            point = PendingCheckpoint(
-                id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
-                parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
-                meta={"memory_mib": r.memory_mib, "cpus": r.cpus, "accel": r.accel, "image_id": r.image_id,
-                      "disk_size_mib": r.disk_size_mib, "hostname": r.hostname, "machine_id": r.machine_id,
-                      "mac": r.mac, "network": r.network, "pause_s": cap.pause_s,
-                      "guest": guest, "machine_labels": dict(r.labels),
-                      **({} if context is None else {"context": context})},
-                ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
-                end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
-                monitor=None if monitor is None else str(monitor),
-                not_before=time.time() + pending.START_FIRST_S if start_first else 0.0,
-                ram_base=None if changed is None else r.ram_point, ram_changed=changed)
-            pending.record(home, point)
-
-            def advance(record: MachineRecord) -> None:
-                record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
-            self._update(advance)
-            top.unlink()
-        # The cache is trimmed by committers, off the caller's path: here it cost 0.12-0.27 s
-        # per call once the cache was full (every QEMU's mappings are read to see what is in use).
-        return point
-
-    def _ram_changed(self) -> list[list[int]] | None:
-        """Which chunks of its memory may differ from its memory file's checkpoint, read after a
-        capture's instant (see pagemap.py); None if that is not known (a template's file)."""
-        from rewind.engine import pagemap
-        from rewind.engine.checkpoint import RAM_CHUNK_SIZE
-
-        r = self.record
-        if r.ram_point is None or r.ram is None or r.pid is None:
-            return None
-        try:
-            ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE)
-        except (LookupError, OSError):
-            return None
-        return [[first, last] for first, last in ranges]
+        return timeline.checkpoint(self, store, name, labels, history, live, start_first, held, context)
 
     def warm(self) -> None:
         """Prepare this machine's QEMU for its next checkpoint, in the background (see
         snapshot.start_warming): for machines that will be checkpointed soon."""
         from rewind.engine.snapshot import start_warming
 
-        start_warming(self.path, self.disk_dir, self.record.pid, self.record.memory_mib)
+        r = self.record
+        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
@@ -562,49 +479,13 @@ class Machine:
 
         _report_lost(pending.settle(self.engine.home, self.record.uuid))
 
-    def _reconcile_disks(self, mon: Monitor) -> None:
-        """If an interrupted checkpoint already gave the running QEMU a new top layer that the
-        record missed, adopt it (its old top is then a plain frozen layer)."""
-        expected = disk_node(len(self.record.disks) - 1)
-        live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block") if "inserted" in d)
-        if live == expected:
-            return
-        if live != disk_node(len(self.record.disks)):
-            raise RewindError(f"machine {self.name!r}: its disk layers are not what rewind recorded")
-        node = next(n for n in mon.cmd("query-named-block-nodes", flat=True) if n["node-name"] == live)
-        name = node["image"]["filename"]
-        if name.startswith("json:"):  # QEMU's name for a layer with an explicit backing node
-            name = json.loads(name[len("json:"):])["file"]["filename"]
-        self.record.disks.append(name)
-        self._save()
-
     def restore(self, store: Store, ref: str) -> Point:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
         same name, identity and handle. The state it leaves is checkpointed first. A point
-        not yet stored runs from its capture here."""
-        self.reload()
-        if ref.startswith("~") and self.record.parent is None:
-            raise NotFound(f"machine {self.name!r} has no checkpoint yet to count back from")
-        target = self.engine.find_point(store, ref, self.record.parent if ref.startswith("~") else None)
-        meta = target.point.meta
-        if (meta.get("memory_mib"), meta.get("cpus")) != (self.record.memory_mib, self.record.cpus):
-            raise InvalidArgument(f"checkpoint {target.point.id[:12]} is of a {meta.get('memory_mib')} MiB, "
-                                  f"{meta.get('cpus')}-vCPU machine; restore it as a new machine")
-        state = target.state()
-        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
-            self.reload()
-            if self.status() == "running":
-                # The state it leaves is captured with its guest stopped; that QEMU writes its memory
-                # out and is ended in the background, once the new one has started in its place.
-                self._capture_point(store, None, {"auto": "before-restore"}, live=False, start_first=True)
-            self._cleanup_runtime()
-            r = self.record
-            r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
-            self._start_from_state(state)
-            r.state, r.parent = "running", target.point.id
-            self._save()
-            self.warm()
-        return target.point
+        not yet stored runs from its capture here. The flow is timeline.restore."""
+        from rewind.engine import timeline
+
+        return timeline.restore(self, store, ref)
 
     def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
@@ -620,7 +501,7 @@ class Machine:
 
     def delete(self) -> None:
         self._settle_before_ending()
-        with file_lock(self.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {self.name!r}"):
+        with self.locked():
             self.reload()
             if self.record.pid is not None and process_alive(self.record.pid, self.record.uuid):
                 try:
@@ -630,7 +511,7 @@ class Machine:
                     pass
                 if not wait_exit(self.record.pid, self.record.uuid, 5):
                     kill(self.record.pid, self.record.uuid)
-            netfilter.stop(self.path, self.record.uuid)
+            netfilter.stop(self.path)
             shutil.rmtree(self.disk_dir, ignore_errors=True)
             shutil.rmtree(self.path)
         _trim_images(self.engine.home)
@@ -713,14 +594,14 @@ class Engine:
         if name is not None:
             validate_name(name)
         template = self.template(memory_mib, cpus, chosen, report)
-        machine = self._new(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
+        machine = self.new_machine(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
                             state=template_state(template, self.home.runtime, chosen), network=network)
         if disk_mib > base_mib:
             with self._undo_on_failure(machine):
-                machine._grow_disk(disk_mib)
+                machine.grow_disk(disk_mib)
                 machine.record.disk_size_mib = disk_mib
-                machine._save()
+                machine.save()
         return machine
 
     def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,
@@ -728,14 +609,9 @@ class Engine:
                     network: NetworkRules | None = None) -> Machine:
         """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
         it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
-        if name is not None:
-            validate_name(name)
-        found = self.find_point(store, ref)
-        if at is not None:
-            found = self.find_point(store, at, relative_to=found.point.id)
-        point = found.point
-        self._check_shape(point.id, point.meta)  # before any file is made from it
-        return self._run_point(name, point.id, point.machine, point.meta, found.state(), labels, network)
+        from rewind.engine import timeline
+
+        return timeline.create_from(self, store, ref, name, labels, at, network)
 
     def find_point(self, store: Store, ref: str | CheckpointManifest,
                    relative_to: str | None = None) -> Located:
@@ -747,47 +623,11 @@ class Engine:
     def fork(self, source: Machine, store: Store, names: list[str | None],
              labels: dict[str, str] | None = None, network: NetworkRules | None = None,
              hold_source: bool = False) -> list[Machine]:
-        """Live copies of `source` from this moment, one per name (None: a generated name).
-        The source pauses only to be captured once; the copies share that point.
-        `hold_source`: it stays paused until its memory is written, which brings the copies
-        sooner (see snapshot.capture), for a caller that waits on them."""
-        for name in names:
-            if name is not None:
-                validate_name(name)
-        point = source.checkpoint(store, labels={"auto": "fork"}, start_first=True, held=hold_source)
-        point.wait_written()  # the copies start from its files; storing it goes on meanwhile
-        return [self._run_point(name, point.id, point.machine, point.meta, point.state, labels, network,
-                                forked_from=source.name) for name in names]
+        """Live copies of `source` from this moment, one per name (None: a generated name);
+        see timeline.fork."""
+        from rewind.engine import timeline
 
-    def _run_point(self, name: str | None, point_id: str, machine: str, meta: dict, state: SavedState,
-                   labels: dict[str, str] | None, network: NetworkRules | None, **extra: str) -> Machine:
-        """A new machine running a saved point, whose meta says what machine it was. A point
-        imported from a file brings no network rules of its own: without `network`, its
-        machine starts offline (a file must not grant itself the internet or the host)."""
-        if network is None:
-            network = NetworkRules(internet=False) if meta.get("imported") \
-                else NetworkRules.from_json(meta.get("network", {}))
-        return self._new(name, memory_mib=meta["memory_mib"], cpus=meta["cpus"], labels=parse_labels(labels),
-                         image_id=meta["image_id"], accel=meta["accel"], disk_size_mib=meta["disk_size_mib"],
-                         parent=point_id, state=state, network=network,
-                         extra={"from_checkpoint": point_id, "from_machine": machine, **extra})
-
-    def _check_shape(self, point_id: str, meta: dict) -> None:
-        """Check the machine a point's meta describes before its values become QEMU options
-        and file names: the point may come from an imported file."""
-        from rewind.engine.accel import ACCELS
-
-        memory, cpus, disk, accel = (meta.get(k) for k in ("memory_mib", "cpus", "disk_size_mib", "accel"))
-        host_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-        problems = [what for what, ok in (
-            ("memory", is_int(memory) and MIN_MEMORY_MIB <= memory <= host_mib),
-            ("vCPUs", is_int(cpus) and 1 <= cpus <= MAX_CPUS),
-            ("disk size", is_int(disk) and 0 < disk <= MAX_DISK_MIB),
-            ("accelerator", accel in ACCELS)) if not ok]
-        if problems:
-            raise InvalidArgument(f"checkpoint {point_id[:12]} describes a machine rewind cannot run: "
-                                  f"bad {', '.join(problems)}")
-        self.image(meta.get("image_id") if isinstance(meta.get("image_id"), str) else "")
+        return timeline.fork(self, source, store, names, labels, network, hold_source)
 
     def settle(self) -> None:
         """Return once every machine's checkpoints are all in their stores (see pending.py)."""
@@ -821,7 +661,7 @@ class Engine:
                 with AgentClient(home_dir / agent_socket(0), alive=successor.check_alive) as agent:
                     agent.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac)
                 netfilter.update(home_dir, successor.network)
-                successor._save()
+                successor.save()
             except BaseException:
                 os.rename(home_dir, own_dir)
                 os.rename(retired, home_dir)
@@ -838,16 +678,17 @@ class Engine:
         except BaseException:
             if machine.record.pid is not None:
                 kill(machine.record.pid, machine.record.uuid)
-            netfilter.stop(machine.path, machine.record.uuid)
+            netfilter.stop(machine.path)
             shutil.rmtree(machine.disk_dir, ignore_errors=True)
             shutil.rmtree(machine.path, ignore_errors=True)
             raise
 
-    def _new(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str], image_id: str,
-             accel: str, disk_size_mib: int, parent: str | None, state: SavedState,
-             network: NetworkRules | None = None, extra: dict | None = None) -> Machine:
+    def new_machine(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str] | None,
+                    image_id: str, accel: str, disk_size_mib: int, parent: str | None, state: SavedState,
+                    network: NetworkRules | None = None, extra: dict | None = None) -> Machine:
         """Register a machine and run `state` in it, with a new identity."""
-        name = name if name is not None else f"m-{secrets.token_hex(4)}"
+        name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
+        labels = parse_labels(labels)
         self.home.machines.mkdir(parents=True, exist_ok=True)
         path = self.home.machines / name
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"):
@@ -863,8 +704,8 @@ class Engine:
         machine = Machine(self, path, record)
         with self._undo_on_failure(machine), \
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
-            machine._save()
-            machine._start_from_state(state)
+            machine.save()
+            machine.start_from_state(state)
             record.state = "running"
-            machine._save()
+            machine.save()
         return machine

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -331,7 +332,10 @@ def main(argv: list[str]) -> int:
     return 1 if "error" in result else 0
 
 
-if __name__ == "__main__":
-    import sys
-
+def run() -> None:
+    """main() with this process's arguments (`python -m`, or forked by the spawner)."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import dpkt
 
-from rewind.engine.netfilter import CONNECT_TIMEOUT, CONTROL, LOG_FILE, PID_FILE
+from rewind.engine.netfilter import CONNECT_TIMEOUT, CONTROL, LOG_FILE, write_pid_file
 from rewind.engine.netrules import DNS_SERVER, NetworkRules
 from rewind.engine.qemu import NET_FROM_GUEST as FROM_GUEST
 from rewind.engine.qemu import NET_TO_GUEST as TO_GUEST
@@ -283,7 +283,7 @@ def main() -> None:
         sys.exit(0 if os.read(ready_r, 2) == b"ok" else 1)
     os.close(ready_r)
     os.setsid()
-    Path(PID_FILE).write_text(f"{os.getpid()}\n")  # so the engine can end us even before we connect
+    write_pid_file()  # so the engine can end us even before we connect
     with open(LOG_FILE, "ab", buffering=0) as log:
         os.dup2(log.fileno(), 2)
     asyncio.run(_run(rules, ready_w))

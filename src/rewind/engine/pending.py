@@ -39,7 +39,7 @@ from rewind.engine.snapshot import (
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
-from rewind.store.durable import replace_durably
+from rewind.store.durable import append_line, replace_durably
 
 # A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
 # committed in the background this long after: a machine is busiest in its first moments
@@ -75,6 +75,10 @@ class PendingCheckpoint:
     # numbers (see pagemap.py): only those chunks are read and hashed. None: all of it.
     ram_base: str | None = None
     ram_changed: list[list[int]] | None = None
+    # Or, with no ram_base, the template's memory file they differ from, and its inode then:
+    # a file made again under that name later is not the one the machine mapped.
+    ram_base_file: str | None = None
+    ram_base_inode: int | None = None
 
     @property
     def state(self) -> SavedState:
@@ -114,16 +118,6 @@ def read_commit_stats(home: Home) -> list[CommitStats]:
     return stats
 
 
-def _append_line(path: Path, record: dict) -> None:
-    """Add one JSON line to `path`: one short write with O_APPEND, so lines from concurrent
-    committers do not interleave."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
 def journals(home: Home, machine_uuid: str | None = None) -> list[Path]:
     """Pending journals (of one machine, or all), oldest first. They are named
     SEQ-MACHINE_UUID-ID.json."""
@@ -145,9 +139,14 @@ def record(home: Home, point: PendingCheckpoint) -> None:
 
 
 def start_committer(home: Home, journal: Path) -> None:
-    """A detached process that commits `journal` (niced: running guests come first)."""
-    start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
-                    str(home.root), str(home.images), str(journal)])
+    """A detached process that commits `journal` (niced: running guests come first), forked by
+    the home's spawner where it answers."""
+    from rewind.engine import spawner
+
+    args = [str(home.root), str(home.images), str(journal)]
+    if spawner.spawn(home.runtime, spawner.Request("commit", args, nice=10)) is None:
+        start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
+                        *args])
 
 
 def settle(home: Home, machine_uuid: str | None = None) -> list[str]:
@@ -170,7 +169,7 @@ def _lose(home: Home, path: Path, point: PendingCheckpoint, reason: str) -> None
     tomb.parent.mkdir(exist_ok=True)
     tomb.write_text(point.parent or "")
     with contextlib.suppress(OSError):
-        _append_line(_lost_path(home), {"id": point.id, "machine": point.machine, "reason": reason})
+        append_line(_lost_path(home), {"id": point.id, "machine": point.machine, "reason": reason})
     _forget(path, point)
 
 
@@ -317,7 +316,8 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
                            point.state, machine=point.machine, parent=surviving(home, point.parent),
                            name=point.name, labels=point.labels, meta=point.meta, history=point.history,
-                           ram_base=point.ram_base, ram_changed=point.ram_changed)
+                           ram_base=point.ram_base, ram_changed=point.ram_changed,
+                           ram_base_file=point.ram_base_file, ram_base_inode=point.ram_base_inode)
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "
@@ -328,7 +328,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         with contextlib.suppress(OSError, RewindError):
             trim_images(home)
         with contextlib.suppress(OSError):
-            _append_line(commit_stats_path(home), asdict(CommitStats(
+            append_line(commit_stats_path(home), asdict(CommitStats(
                 id=point.id, cpu_s=round(cpu + split.cpu_s, 4), split_cpu_s=split.cpu_s,
                 seconds=round(time.time() - point.created, 3))))
     finally:
@@ -369,7 +369,7 @@ def _forget(path: Path, point: PendingCheckpoint) -> None:
 
 
 def main() -> None:
-    """The committer: `python -c ... HOME_ROOT IMAGES JOURNAL`."""
+    """The committer, with sys.argv = [_, HOME_ROOT, IMAGES, JOURNAL] (see start_committer)."""
     root, images, journal = sys.argv[1:4]
     with contextlib.suppress(OSError, ValueError):
         time.sleep(max(0.0, json.loads(Path(journal).read_text()).get("not_before", 0.0) - time.time()))

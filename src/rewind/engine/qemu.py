@@ -19,6 +19,7 @@ from rewind.errors import RewindError
 
 QEMU_BINARY = "qemu-system-x86_64"
 AGENT_PORTS = 4  # concurrent host sessions per machine
+AGENT_CHARDEV = "agent"  # QEMU chardev ids agent0..: query-chardev says whether the guest opened each
 KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
 
 # File names inside a machine's run directory (relative: QEMU runs there, and
@@ -89,8 +90,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-uuid", spec.tag,
     ]
     for i in range(AGENT_PORTS):
-        argv += ["-chardev", f"socket,id=agent{i},path={agent_socket(i)},server=on,wait=off",
-                 "-device", f"virtserialport,bus=vser0.0,chardev=agent{i},name=rewind.agent.{i},id=port{i}"]
+        chardev = f"{AGENT_CHARDEV}{i}"
+        argv += ["-chardev", f"socket,id={chardev},path={agent_socket(i)},server=on,wait=off",
+                 "-device", f"virtserialport,bus=vser0.0,chardev={chardev},name=rewind.agent.{i},id=port{i}"]
     if spec.incoming:
         argv += ["-incoming", "defer"]
     return argv
@@ -168,6 +170,16 @@ def process_alive(pid: int, tag: str) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z" and tag.encode() in cmdline
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot), None unless it runs: with its PID,
+    an identity no later process has."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])  # field 22 of the whole line
 
 
 def kill(pid: int, tag: str, grace: float = 5.0) -> None:

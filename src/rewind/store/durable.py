@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -69,6 +70,16 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_line(path: Path, record: dict) -> None:
+    """Add one JSON line to `path`: one short write with O_APPEND, so lines from concurrent
+    writers do not interleave. Not fsync'ed: for statistics, not records."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
     finally:
         os.close(fd)
 

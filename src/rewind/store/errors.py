@@ -32,3 +32,8 @@ class CheckpointExists(StoreError, AlreadyExists):
 
 class BadExport(StoreError):
     """An export file that is truncated, damaged, or not an export at all."""
+
+
+class RemoteUnavailable(StoreError):
+    """The remote store (S3) did not answer, or refused a request: what is local stays usable,
+    and uploads resume once it answers again."""

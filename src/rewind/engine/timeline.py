@@ -1,0 +1,318 @@
+"""Checkpoint, restore, fork and create-from: how a running machine becomes a point, and a
+point a running machine again. The whole flow reads top to bottom here:
+
+- `checkpoint`: the guest is captured at one instant (snapshot.capture: memory image, device
+  state, frozen disk layer); the capture is journaled as a PendingCheckpoint (pending.py)
+  and returned at once, while QEMU writes memory out and a detached committer stores it.
+- `restore`: the point is located (points.py: stored, or still pending here and run from its
+  capture); the state the machine leaves is captured first, with its guest stopped for
+  good; a new QEMU runs the point in its place, under the same name and identity.
+- `fork`: the source is captured once (held paused until its memory is written when the
+  caller waits on the copies); each copy is a new machine running that capture.
+- `create_from`: a new machine running a located point, after its meta is checked.
+
+`Machine` (machine.py) keeps what one machine is: its record, QEMU, agent and lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending
+from rewind.engine.accel import ACCELS
+from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
+from rewind.engine.locks import file_lock
+from rewind.engine.machine import validate_name
+from rewind.engine.memfiles import private_runtime
+from rewind.engine.netrules import NetworkRules
+from rewind.engine.pending import PendingCheckpoint
+from rewind.engine.qemu import QMP_SOCKET, disk_node
+from rewind.engine.snapshot import capture, ensure_populated
+from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
+from rewind.store import new_checkpoint_id
+from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
+from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
+
+if TYPE_CHECKING:
+    from rewind.engine.machine import Engine, Machine, MachineRecord
+    from rewind.engine.points import Located, Point
+    from rewind.engine.qmp import Monitor
+    from rewind.engine.snapshot import SavedState
+    from rewind.store import CheckpointManifest, Store
+
+@dataclass(frozen=True)
+class PointMeta:
+    """What a point says of the machine it was: a checkpoint's `meta` (docs/format.md §2.5).
+    The store keeps it as a JSON object; the engine reads it only through this record."""
+
+    memory_mib: int
+    cpus: int
+    accel: str
+    image_id: str
+    disk_size_mib: int
+    hostname: str = ""
+    machine_id: str = ""
+    mac: str = ""
+    network: dict = field(default_factory=dict)  # NetworkRules, as JSON
+    pause_s: float | None = None
+    context: str | None = None
+    imported: bool = False  # set by import: its network rules are not to be trusted
+    # What its guest did and said first (gueststate.py), and the machine's labels: for diff.
+    guest: dict | None = None
+    machine_labels: dict | None = None
+
+    @classmethod
+    def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None,
+                  guest: dict | None = None) -> PointMeta:
+        return cls(memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel, image_id=r.image_id,
+                   disk_size_mib=r.disk_size_mib, hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
+                   network=r.network, pause_s=pause_s, context=context, guest=guest,
+                   machine_labels=dict(r.labels))
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        for key, unset in (("context", None), ("imported", False), ("guest", None), ("machine_labels", None)):
+            if data[key] == unset:
+                del data[key]
+        return data
+
+    @classmethod
+    def from_json(cls, point_id: str, meta: dict) -> PointMeta:
+        """Read and check a point's meta before its values become QEMU options and file
+        names: the point may come from an imported file."""
+        memory, cpus, disk, accel = (meta.get(k) for k in ("memory_mib", "cpus", "disk_size_mib", "accel"))
+        host_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        problems = [what for what, ok in (
+            ("memory", is_int(memory) and MIN_MEMORY_MIB <= memory <= host_mib),
+            ("vCPUs", is_int(cpus) and 1 <= cpus <= MAX_CPUS),
+            ("disk size", is_int(disk) and 0 < disk <= MAX_DISK_MIB),
+            ("accelerator", accel in ACCELS),
+            ("image id", isinstance(meta.get("image_id"), str))) if not ok]
+        if problems:
+            raise InvalidArgument(f"checkpoint {point_id[:12]} describes a machine rewind cannot run: "
+                                  f"bad {', '.join(problems)}")
+        def text(key: str) -> str:
+            value = meta.get(key)
+            return value if isinstance(value, str) else ""
+        network, pause_s, context = meta.get("network"), meta.get("pause_s"), meta.get("context")
+        guest, labels = meta.get("guest"), meta.get("machine_labels")
+        return cls(memory_mib=memory, cpus=cpus, accel=accel, image_id=meta["image_id"], disk_size_mib=disk,
+                   hostname=text("hostname"), machine_id=text("machine_id"), mac=text("mac"),
+                   network=network if isinstance(network, dict) else {},
+                   pause_s=float(pause_s) if isinstance(pause_s, int | float) else None,
+                   context=context if isinstance(context, str) else None,
+                   imported=meta.get("imported") is True, guest=guest if isinstance(guest, dict) else None,
+                   machine_labels=labels if isinstance(labels, dict) else None)
+
+    def rules(self) -> NetworkRules:
+        """The network rules a new machine from this point starts with, unless its caller gives
+        some: an imported point brings none (a file must not grant itself the internet or the
+        host), so its machines start offline."""
+        return NetworkRules(internet=False) if self.imported else NetworkRules.from_json(self.network)
+
+
+# ---- checkpoint ----
+
+def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
+               history: int = DEFAULT_HISTORY, live: bool = True, start_first: bool = False,
+               held: bool = False, context: str | None = None) -> PendingCheckpoint:
+    """Save memory, devices and disk of `machine` as of one instant into `store` (see
+    Machine.checkpoint for the options). Returns once the instant is captured."""
+    if name is not None:
+        validate_checkpoint_name(name)
+        if name in pending.pending_names(machine.engine.home) or _names_a_checkpoint(store, name):
+            raise CheckpointExists(f"checkpoint name {name!r} is taken")
+    # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
+    with machine.locked(shared=True):
+        return _capture_locked(machine, store, name, labels, history, live, start_first, held, context)
+
+
+def _names_a_checkpoint(store: Store, name: str) -> bool:
+    try:
+        store.get(name)
+    except (UnknownCheckpoint, BadRef):  # BadRef: a name such as "c0" also reads as a short id
+        return False
+    return True
+
+
+def _capture_locked(machine: Machine, store: Store, name: str | None, labels: dict[str, str] | None,
+                    history: int = DEFAULT_HISTORY, live: bool = True, start_first: bool = False,
+                    held: bool = False, context: str | None = None) -> PendingCheckpoint:
+    """checkpoint(), for a caller holding the machine lock: one capture at a time."""
+    try:
+        with file_lock(machine.path / "checkpoint.lock", timeout=0, what=f"machine {machine.name!r}"):
+            machine.reload()
+            return _capture(machine, store, name, labels, history, live, start_first, held, context)
+    except Busy as e:
+        raise Busy(f"a checkpoint of machine {machine.name!r} is already running") from e
+
+
+def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str, str] | None, history: int,
+             live: bool, start_first: bool, held: bool, context: str | None) -> PendingCheckpoint:
+    home = machine.engine.home
+    caches = Caches.of(home.root, private_runtime(home.runtime))
+    for folder in (caches.ram, caches.devstate, caches.layers):
+        folder.mkdir(parents=True, exist_ok=True)
+    point_id = new_checkpoint_id()
+    machine.check_alive()
+    pending.ensure_room(home, machine.record.memory_mib << 20, f"a checkpoint of {machine.name!r}")
+    guest = gueststate.flush(machine.path)  # its files on its disk, for diffs (see gueststate.py)
+    with machine.monitor() as mon:
+        _reconcile_disks(machine, mon)
+        r = machine.record
+        top = Path(r.disks[-1])
+        new_top = machine.new_top()
+        if live and not held:
+            ensure_populated(mon, machine.disk_dir, r.pid, r.memory_mib)
+        cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
+                      new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
+                      ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
+                      held=held)
+        changed, mapped = _ram_changed(r)
+        monitor = None
+        if not live:
+            # Its memory is written out later, by its committer, through the QMP socket
+            # moved aside: the path is its successor's from now on.
+            monitor = caches.devstate / f"{point_id}.qmp"
+            os.replace(machine.path / QMP_SOCKET, monitor)
+        # The frozen layer leaves the machine's folder (QEMU keeps its open file): a branch
+        # may run on it after this machine is gone. Its old name goes only once the record
+        # names the new layers: a kill in between leaves the record true.
+        frozen = caches.layers / f"{point_id}.qcow2"
+        os.link(top, frozen)
+        disks = [*r.disks[:-1], str(frozen)]
+        point = PendingCheckpoint(
+            id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
+            parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
+            meta=PointMeta.of_record(r, cap.pause_s, context, guest).to_json(),
+            ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
+            end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
+            monitor=None if monitor is None else str(monitor),
+            not_before=time.time() + pending.START_FIRST_S if start_first else 0.0,
+            ram_base=None if changed is None else r.ram_point, ram_changed=changed,
+            ram_base_file=r.ram if mapped is not None and r.ram_point is None else None,
+            ram_base_inode=mapped if r.ram_point is None else None)
+        pending.record(home, point)
+
+        def advance(record: MachineRecord) -> None:
+            record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
+        machine.update(advance)
+        top.unlink()
+    # The cache is trimmed by committers, off the caller's path: here it cost 0.12-0.27 s
+    # per call once the cache was full (every QEMU's mappings are read to see what is in use).
+    return point
+
+
+def _ram_changed(r: MachineRecord) -> tuple[list[list[int]] | None, int | None]:
+    """Which chunks of its memory may differ from the memory file it maps (a checkpoint's, or
+    its template's), read after a capture's instant (see pagemap.py), and that file's inode;
+    (None, None) if not known."""
+    from rewind.engine import pagemap
+
+    if r.ram is None or r.pid is None:
+        return None, None
+    try:
+        inode = os.stat(r.ram).st_ino
+        ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE)
+    except (LookupError, OSError):
+        return None, None
+    return [[first, last] for first, last in ranges], inode
+
+
+def _reconcile_disks(machine: Machine, mon: Monitor) -> None:
+    """If an interrupted checkpoint already gave the running QEMU a new top layer that the
+    record missed, adopt it (its old top is then a plain frozen layer)."""
+    expected = disk_node(len(machine.record.disks) - 1)
+    live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block") if "inserted" in d)
+    if live == expected:
+        return
+    if live != disk_node(len(machine.record.disks)):
+        raise RewindError(f"machine {machine.name!r}: its disk layers are not what rewind recorded")
+    node = next(n for n in mon.cmd("query-named-block-nodes", flat=True) if n["node-name"] == live)
+    name = node["image"]["filename"]
+    if name.startswith("json:"):  # QEMU's name for a layer with an explicit backing node
+        name = json.loads(name[len("json:"):])["file"]["filename"]
+    machine.update(lambda record: record.disks.append(name))
+
+
+# ---- restore ----
+
+def restore(machine: Machine, store: Store, ref: str) -> Point:
+    """Put `machine` back to checkpoint `ref` (`~N` counts back from its last point): same
+    name, identity and handle. The state it leaves is checkpointed first. A point not yet
+    stored runs from its capture."""
+    machine.reload()
+    if ref.startswith("~") and machine.record.parent is None:
+        raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
+    target = machine.engine.find_point(store, ref, machine.record.parent if ref.startswith("~") else None)
+    meta = PointMeta.from_json(target.point.id, target.point.meta)
+    if (meta.memory_mib, meta.cpus) != (machine.record.memory_mib, machine.record.cpus):
+        raise InvalidArgument(f"checkpoint {target.point.id[:12]} is of a {meta.memory_mib} MiB, "
+                              f"{meta.cpus}-vCPU machine; restore it as a new machine")
+    state = target.state()
+    with machine.locked():
+        machine.reload()
+        if machine.status() == "running":
+            # The state it leaves is captured with its guest stopped; that QEMU writes its memory
+            # out and is ended in the background, once the new one has started in its place.
+            _capture_locked(machine, store, None, {"auto": "before-restore"}, live=False, start_first=True)
+        machine.cleanup_runtime()
+        r = machine.record
+        r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
+        machine.start_from_state(state)
+        r.state, r.parent = "running", target.point.id
+        machine.save()
+        machine.warm()
+    return target.point
+
+
+# ---- new machines from points ----
+
+def create_from(engine: Engine, store: Store, ref: str | CheckpointManifest, name: str | None = None,
+                labels: dict[str, str] | None = None, at: str | None = None,
+                network: NetworkRules | None = None) -> Machine:
+    """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
+    it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
+    if name is not None:
+        validate_name(name)
+    found: Located = engine.find_point(store, ref)
+    if at is not None:
+        found = engine.find_point(store, at, relative_to=found.point.id)
+    point = found.point
+    meta = PointMeta.from_json(point.id, point.meta)  # before any file is made from it
+    engine.image(meta.image_id)
+    return _run_point(engine, name, point.id, point.machine, meta, found.state(), labels, network)
+
+
+def fork(engine: Engine, source: Machine, store: Store, names: list[str | None],
+         labels: dict[str, str] | None = None, network: NetworkRules | None = None,
+         hold_source: bool = False) -> list[Machine]:
+    """Live copies of `source` from this moment, one per name (None: a generated name). The
+    source pauses only to be captured once; the copies share that point. `hold_source`: it
+    stays paused until its memory is written, which brings the copies sooner (see
+    snapshot.capture), for a caller that waits on them."""
+    for name in names:
+        if name is not None:
+            validate_name(name)
+    point = checkpoint(source, store, labels={"auto": "fork"}, start_first=True, held=hold_source)
+    point.wait_written()  # the copies start from its files; storing it goes on meanwhile
+    meta = PointMeta.from_json(point.id, point.meta)
+    return [_run_point(engine, name, point.id, point.machine, meta, point.state, labels, network,
+                       forked_from=source.name) for name in names]
+
+
+def _run_point(engine: Engine, name: str | None, point_id: str, machine: str, meta: PointMeta,
+               state: SavedState, labels: dict[str, str] | None, network: NetworkRules | None,
+               **extra: str) -> Machine:
+    """A new machine running a saved point of `machine`."""
+    return engine.new_machine(
+        name, memory_mib=meta.memory_mib, cpus=meta.cpus, labels=labels, image_id=meta.image_id,
+        accel=meta.accel, disk_size_mib=meta.disk_size_mib, parent=point_id, state=state,
+        network=network if network is not None else meta.rules(),
+        extra={"from_checkpoint": point_id, "from_machine": machine, **extra})

@@ -1,0 +1,528 @@
+"""A store in a bucket, with a store folder on this host in front of it as its cache.
+
+`Store.open("s3://bucket/prefix")` gives a CachedStore: a Store whose folder is
+`$REWIND_HOME/cache/s3/<bucket>-<8 hex>/` (a store folder as in docs/format.md §2, plus
+`remote.json`, `outbox/` and `uploads.jsonl`), so the engine uses it as it uses any store.
+
+- **Writing.** A commit (or import) lands in the folder first, as with a local store, so the
+  point is usable at once; its id is queued in `outbox/` before its manifest is written. A
+  detached uploader then sends, under the bucket's shared lock (remote.py), the chunks of
+  each queued point that the bucket lacks (one LIST of `chunks/` per run, taken under that
+  lock: a gc elsewhere between two runs cannot make it skip a chunk), then claims the
+  point's name, then writes its manifest, and only then takes it off the queue. An upload cut
+  short (the server gone) leaves the point here and queued; the next commit's uploader, or
+  `rewind store push`, resumes it, sending again only what the bucket still lacks.
+- **Reading.** A reference not found here is looked up in the bucket: its manifests are
+  copied here (they never change). A blob is materialised after the chunks this host lacks
+  are fetched, in parallel, each checked against its hash.
+- **Budget.** After an upload, chunks past $REWIND_STORE_CACHE_MIB that no queued point
+  needs are removed here, oldest first; they come back from the bucket when needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from rewind.home import Home
+from rewind.store.backends import ObjectStore, open_objects, parse_s3
+from rewind.store.disk import decode_chunk
+from rewind.store.durable import (
+    append_line,
+    fsync_dir,
+    os_errors,
+    replace_durably,
+    sync_filesystem,
+    write_tmp,
+)
+from rewind.store.errors import (
+    CorruptChunk,
+    RemoteUnavailable,
+    StoreBusy,
+    StoreError,
+    UnknownCheckpoint,
+)
+from rewind.store.locks import held_file, store_lock
+from rewind.store.model import FORMAT, BlobIndex, CheckpointManifest
+from rewind.store.remote import CONFIG, chunk_key, lock_notes, manifest_key, name_key, remote_lock
+from rewind.store.store import CheckReport, GcReport, Store
+
+REMOTE_FILE = "remote.json"
+CACHE_ENV = "REWIND_STORE_CACHE_MIB"
+DEFAULT_CACHE_MIB = 16384
+# How a commit's upload starts: "background" (the default: a detached uploader), "sync" (before
+# the commit returns) or "off" (only `rewind store push` or the next upload sends it).
+UPLOAD_ENV = "REWIND_STORE_UPLOAD"
+CONNECTIONS = 16  # requests in flight: network-bound, not CPU-bound
+_RETRY_AFTER = 10.0  # after the bucket did not answer, lookups use what is here for this long
+_ORPHAN_AGE = 600.0  # a queued id with no manifest this old was never committed
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class PushReport:
+    """What one upload run sent."""
+
+    points: list[str] = field(default_factory=list)  # ids uploaded, oldest first
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)  # points left queued, and why
+
+
+@dataclass
+class RemoteStatus:
+    """Whether the bucket answers, for `rewind doctor`."""
+
+    url: str
+    cache: str
+    answers: bool
+    detail: str  # how many checkpoints it holds, or why it did not answer
+    queued: int  # points committed here and not yet uploaded
+    conditional_writes: bool | None  # None: not known (it did not answer)
+
+
+def cache_root(url: str, home: os.PathLike[str] | None = None) -> Path:
+    """Where the home `home` (default: $REWIND_HOME) caches the store `url`."""
+    bucket, _ = parse_s3(url)
+    base = Path(home) if home is not None else Home.from_env().root
+    return base / "cache" / "s3" / f"{bucket}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+
+
+def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | None,
+                home: os.PathLike[str] | None = None) -> CachedStore:
+    """The store `url` names, through the cache of it in `home` (made on first use: only then
+    is the bucket asked for the store's config, and the store made there if `create`)."""
+    root = cache_root(url, home)
+    if not (root / REMOTE_FILE).exists():
+        objects = open_objects(url)
+        try:
+            config = json.loads(objects.get(CONFIG))
+        except KeyError as e:
+            if not create:
+                raise StoreError(f"there is no checkpoint store at {url}") from e
+            objects.put_new(CONFIG, json.dumps({"format": FORMAT, "chunk_size": chunk_size}).encode())
+            config = json.loads(objects.get(CONFIG))  # another host may have made it first
+        except ValueError as e:
+            raise StoreError(f"the checkpoint store at {url} is damaged: config.json is unreadable") from e
+        if not isinstance(config, dict) or config.get("format") != FORMAT:
+            raise StoreError(f"the checkpoint store at {url} has format {config.get('format')!r}, "
+                             f"which this rewind does not know (it knows {FORMAT})")
+        with os_errors(f"make a cache of {url} at {root}"):
+            Store.open(root, create=True, chunk_size=config["chunk_size"])
+            replace_durably(root / REMOTE_FILE, json.dumps({"url": url, "version": 1}).encode())
+    store = Store.open(root, lock_timeout=lock_timeout)
+    assert isinstance(store, CachedStore)
+    return store
+
+
+class CachedStore(Store):
+    """A store in a bucket, used through a store folder on this host (see the module doc)."""
+
+    def __init__(self, root: Path, chunk_size: int, lock_timeout: float, url: str) -> None:
+        super().__init__(root, chunk_size, lock_timeout)
+        self.url = url
+        self._objects: ObjectStore | None = None
+        self._outbox = root / "outbox"
+        self._synced = -1e9  # monotonic time of the last look at the bucket's manifests
+        self._down_until = -1e9
+
+    @classmethod
+    def of_folder(cls, root: Path, chunk_size: int, lock_timeout: float) -> CachedStore:
+        try:
+            url = json.loads((root / REMOTE_FILE).read_bytes())["url"]
+            parse_s3(url)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"the store cache at {root} is damaged: {REMOTE_FILE} is unreadable") from e
+        return cls(root, chunk_size, lock_timeout, url)
+
+    def __repr__(self) -> str:
+        return f"CachedStore({self.url!r}, cache={str(self.root)!r})"
+
+    @property
+    def objects(self) -> ObjectStore:
+        if self._objects is None:
+            self._objects = open_objects(self.url)
+        return self._objects
+
+    # -- writing: here first, then to the bucket -------------------------------------------
+
+    def _write_manifest(self, manifest: CheckpointManifest) -> None:
+        entry = self._outbox / f"{manifest.id}.json"
+        was_queued = entry.exists()
+        self._outbox.mkdir(exist_ok=True)
+        replace_durably(entry, json.dumps({"id": manifest.id, "queued": time.time(), "version": 1}).encode())
+        try:
+            super()._write_manifest(manifest)
+        except BaseException:
+            if not was_queued:
+                entry.unlink(missing_ok=True)
+            raise
+        self._upload_soon()
+
+    def _upload_soon(self) -> None:
+        mode = os.environ.get(UPLOAD_ENV, "background")
+        if mode == "off":
+            return
+        if mode == "sync":
+            with suppress(StoreError):  # it stays queued; the next run sends it
+                self.push()
+            return
+        # setsid -f: it outlives this process and is nobody's zombie.
+        with open(self.root / "upload.log", "ab") as log:
+            argv = [sys.executable, "-c", "from rewind.store.cache import main; main()",
+                    "push", str(self.root)]
+            subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                           check=False)
+
+    def queued(self) -> list[str]:
+        """Ids of the points committed here and not yet uploaded, oldest first."""
+        entries = []
+        for path in self._outbox.glob("*.json"):
+            with suppress(OSError, ValueError, KeyError, TypeError):
+                entries.append((json.loads(path.read_bytes())["queued"], path.stem))
+        return [checkpoint_id for _, checkpoint_id in sorted(entries)]
+
+    def _unqueue(self, checkpoint_id: str) -> None:
+        (self._outbox / f"{checkpoint_id}.json").unlink(missing_ok=True)
+
+    def push(self, wait: float | None = None) -> PushReport:
+        """Upload every queued point, oldest first. One upload runs at a time per cache: this
+        waits up to `wait` s (default: the lock timeout) for one already running."""
+        timeout = self.lock_timeout if wait is None else wait
+        with held_file(self.root / "outbox.lock", timeout) as mine:
+            if not mine:
+                raise StoreBusy(f"another upload to {self.url} is running (waited {timeout:g} s)")
+            report = self._push()
+        self.trim()
+        return report
+
+    def _push(self) -> PushReport:
+        started, report = time.monotonic(), PushReport()
+        queued = self.queued()
+        if not queued:
+            return report
+        with remote_lock(self.objects, exclusive=False, operation="upload",
+                         timeout=self.lock_timeout) as held:
+            there = {info.key.rsplit("/", 1)[-1] for info in self.objects.list("chunks/")}
+            for checkpoint_id in queued:
+                began = time.monotonic()
+                manifest = self._queued_manifest(checkpoint_id, report)
+                if manifest is None:
+                    continue
+                need = sorted(manifest.all_hashes() - there)
+                sent = sum(_parallel(self._send_chunk, need))
+                there.update(need)
+                held.check()
+                if manifest.name is not None and not self._claim_name(manifest, report):
+                    continue
+                self.objects.put(manifest_key(checkpoint_id), self._manifest_path(checkpoint_id).read_bytes())
+                self._unqueue(checkpoint_id)
+                append_line(self.root / "uploads.jsonl", {
+                    "id": checkpoint_id, "chunks": len(need), "bytes": sent, "at": time.time(),
+                    "seconds": time.monotonic() - began, "version": 1})
+                report.points.append(checkpoint_id)
+                report.chunks += len(need)
+                report.bytes += sent
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _queued_manifest(self, checkpoint_id: str, report: PushReport) -> CheckpointManifest | None:
+        """A queued point's manifest, or None (and why, in `report`) if it cannot be sent now."""
+        path = self._manifest_path(checkpoint_id)
+        try:
+            return self._load_manifest(path)
+        except UnknownCheckpoint:  # queued just before its commit, or the commit failed
+            entry = self._outbox / f"{checkpoint_id}.json"
+            with suppress(OSError):
+                if time.time() - entry.stat().st_mtime > _ORPHAN_AGE:
+                    entry.unlink()
+        except StoreError as e:
+            report.problems.append(str(e))
+        return None
+
+    def _send_chunk(self, h: str) -> int:
+        data = Store._read_stored(self, h)  # from this host: what the bucket lacks is only here
+        self.objects.put(chunk_key(h), data)
+        return len(data)
+
+    def _claim_name(self, manifest: CheckpointManifest, report: PushReport) -> bool:
+        """Take the point's name in the bucket. Atomic where the server has conditional writes;
+        elsewhere a look, a write and a read back, which two hosts racing within one round
+        trip can both pass."""
+        assert manifest.name is not None
+        key, claim = name_key(manifest.name), json.dumps({"id": manifest.id}).encode()
+        self.objects.put_new(key, claim)
+        try:
+            holder = json.loads(self.objects.get(key)).get("id")
+        except (KeyError, ValueError, AttributeError):
+            holder = None
+        if holder != manifest.id:
+            report.problems.append(
+                f"checkpoint {manifest.id[:12]} stays on this host only: its name {manifest.name!r} "
+                f"is taken in {self.url} by checkpoint {str(holder)[:12]}")
+            return False
+        return True
+
+    # -- reading: here, else from the bucket ---------------------------------------------
+
+    def _sync(self, force: bool = False) -> None:
+        """Copy here the bucket's manifests this host lacks, and drop those the bucket no
+        longer has (deleted by a prune elsewhere) unless they are queued here."""
+        now = time.monotonic()
+        if not force and (now - self._synced < 1.0 or now < self._down_until):
+            return
+        queued = set(self.queued())  # before the listing: a point uploaded meanwhile is in one of them
+        try:
+            there = {info.key[len("checkpoints/"):-len(".json")] for info in self.objects.list("checkpoints/")
+                     if info.key.endswith(".json")}
+            here = {p.stem for p in self._manifest_paths()}
+            pulled = [p for p in _parallel(self._pull_manifest, sorted(there - here)) if p]
+        except RemoteUnavailable:
+            self._down_until = time.monotonic() + _RETRY_AFTER
+            raise
+        for checkpoint_id in here - there - queued:
+            self._manifest_path(checkpoint_id).unlink(missing_ok=True)
+        if pulled or here - there - queued:
+            fsync_dir(self.root / "checkpoints")
+        self._synced = time.monotonic()
+
+    def _pull_manifest(self, checkpoint_id: str) -> str | None:
+        try:
+            data = self.objects.get(manifest_key(checkpoint_id))
+        except KeyError:  # deleted meanwhile
+            return None
+        try:
+            if CheckpointManifest.from_json(json.loads(data)).id != checkpoint_id:
+                return None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # damaged: check() reports it from the bucket
+        os.rename(write_tmp(self._tmp, data, sync=True), self._manifest_path(checkpoint_id))
+        return checkpoint_id
+
+    def get(self, ref: str, relative_to: str | CheckpointManifest | None = None) -> CheckpointManifest:
+        try:
+            return super().get(ref, relative_to)
+        except UnknownCheckpoint as e:
+            try:
+                self._sync(force=time.monotonic() >= self._down_until)
+            except RemoteUnavailable as down:
+                raise UnknownCheckpoint(f"{e} on this host, and {down}") from down
+        return super().get(ref, relative_to)
+
+    def list(self) -> list[CheckpointManifest]:
+        with suppress(RemoteUnavailable):  # what is here, while the bucket does not answer
+            self._sync()
+        return super().list()
+
+    def fetch(self, hashes: Iterable[str]) -> int:
+        """Bring here the chunks of `hashes` this host lacks, in parallel, each checked against
+        its hash, made durable before it takes its name (as put_blob does); the bytes fetched."""
+        missing = [h for h in set(hashes) if not os.path.exists(self._chunk_file(h))]
+        if not missing:
+            return 0
+        staged = _parallel(self._fetch_chunk, missing)
+        try:
+            sync_filesystem(self._tmp)
+            for h, tmp, _ in staged:
+                os.rename(tmp, self._chunk_file(h))
+            sync_filesystem(self._tmp)
+        finally:
+            for _, tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
+        return sum(size for _, _, size in staged)
+
+    def _fetch_chunk(self, h: str) -> tuple[str, Path, int]:
+        try:
+            data = self.objects.get(chunk_key(h))
+        except KeyError as e:
+            raise CorruptChunk(f"chunk {h} is missing from this host and from {self.url}") from e
+        decode_chunk(h, data)
+        return h, write_tmp(self._tmp, data, sync=False), len(data)
+
+    def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str], durable: bool = False) -> None:
+        with os_errors(f"write {dest}"), self.lock(operation="materialize"):  # no trim meanwhile
+            self.fetch(blob.hashes())
+            super().materialize(blob, dest, durable)
+
+    def _read_stored(self, h: str) -> bytes:
+        if not os.path.exists(self._chunk_file(h)):
+            self.fetch([h])
+        return super()._read_stored(h)
+
+    # -- upkeep: in the bucket, then here ------------------------------------------------
+
+    def delete(self, ref: str) -> CheckpointManifest:
+        with remote_lock(self.objects, exclusive=True, operation="delete", timeout=self.lock_timeout):
+            manifest = super().delete(ref)
+            self._forget([manifest])
+        return manifest
+
+    def prune(self, keep_last: int | None = None, keep_days: float | None = None,
+              per_machine: bool = True) -> list[str]:
+        with remote_lock(self.objects, exclusive=True, operation="prune", timeout=self.lock_timeout):
+            self._sync(force=True)
+            before = {m.id: m for m in Store.list(self)}
+            removed = super().prune(keep_last=keep_last, keep_days=keep_days, per_machine=per_machine)
+            self._forget([before[i] for i in removed])
+        return removed
+
+    def _forget(self, manifests: list[CheckpointManifest]) -> None:
+        """Remove deleted points from the bucket and the queue (their names too, if theirs)."""
+        keys = [manifest_key(m.id) for m in manifests]
+        for m in manifests:
+            self._unqueue(m.id)
+            if m.name is not None:
+                with suppress(KeyError, ValueError, AttributeError):
+                    if json.loads(self.objects.get(name_key(m.name))).get("id") == m.id:
+                        keys.append(name_key(m.name))
+        self.objects.delete(keys)
+
+    def gc(self) -> GcReport:
+        """Remove from the bucket the chunks no manifest there or queued here uses, name claims
+        of deleted points and stale locks; then gc this host's folder. Under the bucket's
+        exclusive lock: no upload runs meanwhile, and each upload lists the bucket's chunks
+        again under its own lock, so none relies on a chunk removed here."""
+        with remote_lock(self.objects, exclusive=True, operation="gc", timeout=self.lock_timeout):
+            self._sync(force=True)
+            manifests = Store.list(self)
+            if len(manifests) != len(self._manifest_paths()):
+                raise StoreError("gc stopped, nothing removed: a manifest is unreadable; "
+                                 "`rewind store check` says which")
+            live = set().union(*(m.all_hashes() for m in manifests))
+            names = {m.name: m.id for m in manifests if m.name}
+            dead, freed = [], 0
+            for info in self.objects.list("chunks/"):
+                if info.key.rsplit("/", 1)[-1] not in live:
+                    dead.append(info.key)
+                    freed += info.size
+            for info in self.objects.list("names/"):
+                with suppress(KeyError, ValueError, AttributeError):
+                    claim = json.loads(self.objects.get(info.key)).get("id")
+                    if names.get(info.key[len("names/"):]) != claim:
+                        dead.append(info.key)
+            now = time.time()
+            dead += [key for key, note in lock_notes(self.objects).items() if note.stale(now)]
+            self.objects.delete(dead)
+            local = super().gc()
+        chunks = sum(1 for key in dead if key.startswith("chunks/"))
+        return GcReport(chunks_removed=chunks + local.chunks_removed, bytes_freed=freed + local.bytes_freed,
+                        tmp_removed=local.tmp_removed)
+
+    def check(self, read_data: bool = False) -> CheckReport:
+        """Check the store in the bucket: every manifest there parses and every chunk it uses
+        is there (with read_data: and decodes to its hash). A point queued here may use
+        chunks that are only here."""
+        with remote_lock(self.objects, exclusive=False, operation="check", timeout=self.lock_timeout):
+            self._sync(force=True)
+            queued = set(self.queued())
+            there = {info.key.rsplit("/", 1)[-1] for info in self.objects.list("chunks/")}
+            problems, users = [], {}
+            paths = self._manifest_paths()
+            for path in paths:
+                try:
+                    manifest = self._load_manifest(path)
+                except StoreError as e:
+                    problems.append(str(e))
+                    continue
+                for entry in [manifest, *manifest.history]:
+                    for blob_name, blob in entry.blobs.items():
+                        for h in blob.hashes():
+                            users.setdefault(h, (f"blob {blob_name!r} of checkpoint {entry.id[:12]}",
+                                                 manifest.id in queued))
+            for h, (user, is_queued) in users.items():
+                if h not in there and not (is_queued and os.path.exists(self._chunk_file(h))):
+                    problems.append(f"chunk {h} is missing from {self.url} (used by {user})")
+
+            def verify(h: str) -> str | None:
+                try:
+                    decode_chunk(h, self.objects.get(chunk_key(h)))
+                except (CorruptChunk, KeyError) as e:
+                    return f"chunk {h} in {self.url}: {e} (used by {users[h][0]})"
+                return None
+
+            if read_data:
+                problems += [p for p in _parallel(verify, sorted(set(users) & there)) if p]
+        return CheckReport(checkpoints=len(paths), chunks=len(users), problems=problems)
+
+    def trim(self) -> int:
+        """Keep this host's chunks within the budget: remove the oldest that no queued point
+        needs (the others are in the bucket). Skipped while the folder is in use. The count."""
+        budget = int(os.environ.get(CACHE_ENV, DEFAULT_CACHE_MIB)) << 20
+        files = []
+        for folder in os.scandir(self._chunks):
+            for f in os.scandir(folder.path):
+                with suppress(FileNotFoundError):
+                    st = f.stat()
+                    files.append((st.st_mtime, st.st_size, f.name, f.path))
+        total = sum(size for _, size, _, _ in files)
+        if total <= budget:
+            return 0
+        removed = 0
+        try:
+            with store_lock(self.root / "locks", exclusive=True, operation="trim", timeout=0):
+                keep: set[str] = set()
+                for checkpoint_id in self.queued():
+                    with suppress(StoreError):
+                        keep |= self._load_manifest(self._manifest_path(checkpoint_id)).all_hashes()
+                for _, size, name, path in sorted(files):
+                    if total <= budget:
+                        break
+                    if name not in keep:
+                        os.unlink(path)
+                        total -= size
+                        removed += 1
+        except StoreBusy:
+            pass
+        return removed
+
+    def status(self) -> RemoteStatus:
+        try:
+            count = sum(1 for _ in self.objects.list("checkpoints/"))
+            conditional: bool | None = self.objects.conditional_writes()
+            answers, detail = True, f"{count} checkpoints"
+        except RemoteUnavailable as e:
+            answers, detail, conditional = False, str(e), None
+        return RemoteStatus(url=self.url, cache=str(self.root), answers=answers, detail=detail,
+                            queued=len(self.queued()), conditional_writes=conditional)
+
+
+def _parallel(fn: Callable[[T], R], items: list[T]) -> list[R]:
+    """fn over items on CONNECTIONS threads; the first error stops the rest and is raised."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = ThreadPoolExecutor(min(CONNECTIONS, len(items)), thread_name_prefix="rewind-s3")
+    try:
+        return list(pool.map(fn, items))
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`push ROOT`: the detached uploader of a cache."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "push":
+        sys.exit("usage: push CACHE_FOLDER")
+    store = Store.open(args[1])
+    if not isinstance(store, CachedStore):
+        sys.exit(f"{args[1]} is not the cache of a remote store")
+    try:
+        report = store.push(wait=600)
+    except StoreError as e:
+        print(f"{time.strftime('%F %T')} upload to {store.url} stopped: {e}", flush=True)
+        sys.exit(1)
+    if report.points or report.problems:
+        print(f"{time.strftime('%F %T')} {json.dumps(asdict(report))}", flush=True)
+
