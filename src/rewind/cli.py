@@ -564,6 +564,7 @@ def diff(first: str, second: str | None, globs: tuple[str, ...], content_path: s
     """What changed: `diff NAME [REF]` from NAME's point REF (default ~0) to NAME now;
     `diff REF1 REF2` from one point to another; `diff REF` from REF's parent to REF."""
     from rewind.engine import diff as engine_diff
+    from rewind.engine.machine import Engine
 
     remote = _remote()
     if remote is not None:  # there, FIRST names a machine
