@@ -22,6 +22,8 @@ EXPECTED = {
     "http_call_added_ms", "mcp_call_added_ms",
     "http_exec_added_ms", "http_checkpoint_added_ms", "http_restore_added_ms", "mcp_exec_added_ms",
     "mcp_checkpoint_added_ms", "mcp_restore_added_ms", "cli_help_s", "cli_exec_added_s",
+    "checkpoint_flush_ms", "checkpoint_call_after_write_s", "diff_first_s", "diff_points_1mib_s",
+    "diff_live_1mib_s",
 }
 
 

@@ -265,20 +265,30 @@ def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_fil
 @click.option("--online", is_flag=True, help="Let the copy use the network (by default it has none).")
 @click.option("--cwd", default=None, help="Working directory in the guest (default /root).")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds for each command.")
+@click.option("--diff", "show_diff", is_flag=True,
+              help="Say what the step changed in the copy (with --json: its `diff`).")
 @store_option
 @json_option
 def try_(name: str, step: tuple[str, ...], verify: str | None, online: bool, cwd: str | None, timeout: float,
-         store_dir: str | None, as_json: bool) -> None:
+         show_diff: bool, store_dir: str | None, as_json: bool) -> None:
     """Run STEP in a live copy of machine NAME and keep the copy only if it (and --verify) pass."""
     from rewind.sandbox import try_in_copy
 
     outcome = try_in_copy(_sandbox(name, store_dir), " ".join(step), verify, offline=not online,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, diff=show_diff)
     if as_json:
         emit_json(outcome.to_json())
     else:
         sys.stdout.write(outcome.log)
         click.echo(f"rewind: {outcome.reason} ({outcome.seconds:.2f} s)", err=True)
+        if show_diff:
+            if outcome.diff is None:
+                click.echo("rewind: what the step changed is not known (see the warning above)", err=True)
+            else:
+                from rewind.difftext import lines
+
+                for line in lines(outcome.diff):
+                    click.echo(line, err=True)
     sys.exit(0 if outcome.passed else 1)
 
 
@@ -539,6 +549,62 @@ def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], outpu
     else:
         click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, stored in "
                    f"{captured} s, {point.own_bytes / (1 << 20):.1f} MiB of new data")
+
+
+@cli.command()
+@click.argument("first")
+@click.argument("second", required=False)
+@click.option("--paths", "globs", multiple=True, help="Only paths matching this glob; repeatable.")
+@click.option("--content", "content_path", default=None, help="A unified diff of this text file instead.")
+@click.option("--all", "noise", is_flag=True, help="Also the noise list's paths (logs, caches, identity).")
+@store_option
+@json_option
+def diff(first: str, second: str | None, globs: tuple[str, ...], content_path: str | None, noise: bool,
+         store_dir: str | None, as_json: bool) -> None:
+    """What changed: `diff NAME [REF]` from NAME's point REF (default ~0) to NAME now;
+    `diff REF1 REF2` from one point to another; `diff REF` from REF's parent to REF."""
+    from rewind.engine import diff as engine_diff
+    from rewind.engine.machine import Engine
+
+    remote = _remote()
+    if remote is not None:  # there, FIRST names a machine
+        if content_path is not None:
+            raise InvalidArgument("--content works on this host only; unset REWIND_URL to use it")
+        _print_diff(remote.get(first).diff(second or "~0", noise=noise, paths=list(globs) or None), as_json)
+        return
+    store = _store(store_dir)
+    engine = Engine()
+    try:
+        machine = engine.get(first)
+    except NotFound:
+        machine = None
+    if machine is not None:
+        machine.reload()
+        before, after, relative = second or "~0", machine, machine.record.parent
+    elif second is not None:
+        before, after, relative = first, second, None
+    else:
+        point = engine.find_point(store, first).point
+        if point.parent is None:
+            raise InvalidArgument(f"checkpoint {point.id[:12]} has no parent to compare it with")
+        before, after, relative = point.parent, point, None
+    if content_path is not None:
+        text = engine_diff.content(engine, store, before, after, content_path, relative_to=relative)
+        emit_json({"path": content_path, "diff": text}) if as_json else sys.stdout.write(text)
+        return
+    result = engine_diff.diff(engine, store, before, after, relative_to=relative, include_noise=noise,
+                              globs=list(globs) or None)
+    _print_diff(result, as_json)
+
+
+def _print_diff(result: Any, as_json: bool) -> None:
+    if as_json:
+        emit_json(result.to_json())
+        return
+    from rewind.difftext import lines
+
+    for line in lines(result):
+        click.echo(line)
 
 
 @cli.command(name="log")

@@ -27,6 +27,8 @@ the code by tests/test_api.py (a new error class must be placed in it):
     ├── engine.qmp.MonitorError              QEMU refused a QMP command, or its monitor is gone
     ├── engine.migstream.StreamError         a memory capture could not be written out
     ├── engine.ramcache.NoRoom               tmpfs has no room for a memory image
+    ├── engine.qcow2.LayerError              a disk layer cannot be read on the host (diff)
+    │   └── engine.ext4view.FsError          nor the file system on the disk
     ├── guard.gittier.GitTierError           the git tier could not save or put back a project
     ├── guard.guarded.Refused                guarded() will not run a command outside the machine
     └── fleet.NodeLost                       the Ray node that ran a machine is gone, and the machine

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rewind.bench import faces, loop, ours
+from rewind.bench import diffs, faces, loop, ours
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import run_peers
@@ -58,6 +58,8 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             faces.run_faces(home, report, rounds, quick, progress)
             bench = ours.checkpoints(home, report, rounds, quick, progress)
             ours.guard(bench, report, quick, progress)
+            diffs.flush_cost(bench, report, rounds, progress)
+            diffs.diff_times(bench, report, rounds, progress, quick)
             bench.delete()  # the loop's figures are of one machine alone
             loop.agent_loop(home, report, 3 if quick else LOOP_ROUNDS, progress)
             big, touched = ours.curve_machine(home, quick)

@@ -265,6 +265,19 @@ class AgentClient:
         header, _ = self._reply_of("ok")
         return {k: v for k, v in header.items() if k != "t"}
 
+    def sync(self, timeout: float) -> dict:
+        """Have the guest write its cached writes to its disk; returns what it says runs and
+        listens (see guest/agent.py handle_sync). AgentGone if that takes over `timeout` s."""
+        self._request({"t": "sync"})
+        header, _ = self._recv(until=time.monotonic() + timeout)
+        while header is not None and header.get("t") in ("pong", "hello"):
+            header, _ = self._recv(until=time.monotonic() + timeout)
+        if header is None:
+            raise AgentGone(f"the guest did not write its disk out within {timeout:.0f} s")
+        if header.get("t") != "synced":
+            raise AgentError(f"the guest agent answered {header.get('t')!r} to a sync")
+        return {k: v for k, v in header.items() if k != "t"}
+
     def set_identity(self, **fields: object) -> None:
         """Hostname, machine id, MAC, entropy seed and clock, applied in the guest."""
         self._request({"t": "identity", **fields})

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, pending
+from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending
 from rewind.engine.accel import ACCELS
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.locks import file_lock
@@ -63,16 +63,21 @@ class PointMeta:
     pause_s: float | None = None
     context: str | None = None
     imported: bool = False  # set by import: its network rules are not to be trusted
+    # What its guest did and said first (gueststate.py), and the machine's labels: for diff.
+    guest: dict | None = None
+    machine_labels: dict | None = None
 
     @classmethod
-    def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None) -> PointMeta:
+    def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None,
+                  guest: dict | None = None) -> PointMeta:
         return cls(memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel, image_id=r.image_id,
                    disk_size_mib=r.disk_size_mib, hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
-                   network=r.network, pause_s=pause_s, context=context)
+                   network=r.network, pause_s=pause_s, context=context, guest=guest,
+                   machine_labels=dict(r.labels))
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for key, unset in (("context", None), ("imported", False)):
+        for key, unset in (("context", None), ("imported", False), ("guest", None), ("machine_labels", None)):
             if data[key] == unset:
                 del data[key]
         return data
@@ -96,12 +101,14 @@ class PointMeta:
             value = meta.get(key)
             return value if isinstance(value, str) else ""
         network, pause_s, context = meta.get("network"), meta.get("pause_s"), meta.get("context")
+        guest, labels = meta.get("guest"), meta.get("machine_labels")
         return cls(memory_mib=memory, cpus=cpus, accel=accel, image_id=meta["image_id"], disk_size_mib=disk,
                    hostname=text("hostname"), machine_id=text("machine_id"), mac=text("mac"),
                    network=network if isinstance(network, dict) else {},
                    pause_s=float(pause_s) if isinstance(pause_s, int | float) else None,
                    context=context if isinstance(context, str) else None,
-                   imported=meta.get("imported") is True)
+                   imported=meta.get("imported") is True, guest=guest if isinstance(guest, dict) else None,
+                   machine_labels=labels if isinstance(labels, dict) else None)
 
     def rules(self) -> NetworkRules:
         """The network rules a new machine from this point starts with, unless its caller gives
@@ -155,6 +162,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
     point_id = new_checkpoint_id()
     machine.check_alive()
     pending.ensure_room(home, machine.record.memory_mib << 20, f"a checkpoint of {machine.name!r}")
+    guest = gueststate.flush(machine.path)  # its files on its disk, for diffs (see gueststate.py)
     with machine.monitor() as mon:
         _reconcile_disks(machine, mon)
         r = machine.record
@@ -182,7 +190,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         point = PendingCheckpoint(
             id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
             parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
-            meta=PointMeta.of_record(r, cap.pause_s, context).to_json(),
+            meta=PointMeta.of_record(r, cap.pause_s, context, guest).to_json(),
             ram=str(cap.ram), devstate=str(cap.devstate), done=str(cap.done), disks=disks,
             end_qemu=None if live else r.pid, end_layer=None if live else str(new_top),
             monitor=None if monitor is None else str(monitor),

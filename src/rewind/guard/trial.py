@@ -9,6 +9,7 @@ original never saw the step. Either way the outcome carries both outputs.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
 
 if TYPE_CHECKING:
+    from rewind.engine.diff import Diff
     from rewind.store import Store
 
 DEFAULT_TIMEOUT = 600.0
@@ -62,6 +64,9 @@ class Outcome:
     # With watch: what the step (or verify) tried to reach outside the machine and the copy's
     # network filter refused; any makes the copy go, whatever the exit codes.
     attempted: tuple[str, ...] = ()
+    # What the step did to the copy, whether or not it was kept (None: not asked for, or the
+    # copy could not be read: its QEMU died).
+    diff: Diff | None = None
 
     def to_json(self) -> dict:
         def run_json(run: StepRun | None) -> dict | None:
@@ -74,7 +79,8 @@ class Outcome:
                     "stdout": None if r is None else r.stdout, "stderr": None if r is None else r.stderr}
         return {"kept": self.kept, "passed": self.passed, "reason": self.reason, "log": self.log,
                 "step": run_json(self.step), "verify": run_json(self.verify), "copy": self.copy_name,
-                "seconds": round(self.seconds, 3), "attempted": list(self.attempted)}
+                "seconds": round(self.seconds, 3), "attempted": list(self.attempted),
+                "diff": None if self.diff is None else self.diff.to_json()}
 
 
 def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> StepRun:
@@ -96,6 +102,18 @@ def _attempts(copy: Machine) -> tuple[str, ...]:
         return ()
 
 
+def _diff(engine: Engine, store: Store, copy: Machine) -> Diff | None:
+    """The copy against the moment it was made; None if it cannot be read (the step killed it)."""
+    from rewind.engine.diff import diff
+
+    try:
+        copy.reload()
+        return diff(engine, store, copy.record.parent, copy)
+    except RewindError as e:
+        logging.getLogger("rewind").warning("the copy's changes could not be read: %s", e)
+        return None
+
+
 def _log(*runs: StepRun | None) -> str:
     parts = []
     for run in runs:
@@ -110,10 +128,11 @@ def _log(*runs: StepRun | None) -> str:
 
 def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verify: str | None,
                 offline: bool = True, cwd: str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, watch: bool = False) -> Outcome:
+                timeout: float = DEFAULT_TIMEOUT, watch: bool = False, diff: bool = True) -> Outcome:
     """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`.
     `watch`: the copy is not kept if it tried to reach anything its rules refused (the guard,
-    for programs it does not know); Outcome.attempted says what."""
+    for programs it does not know); Outcome.attempted says what. `diff`: Outcome.diff says
+    what the step changed in the copy (it costs a flush of the copy and a read of its disk)."""
     from rewind.guard.classify import checked_command  # its parser: 40 ms to load
 
     step = checked_command(step, "the step")
@@ -133,6 +152,7 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
         passed = ran.ok and (checked is None or checked.ok)
         attempted = _attempts(copy) if watch else ()
+        changes = _diff(engine, store, copy) if diff else None
         if passed and not attempted:
             engine.replace(machine, copy)
             reason = "step passed" + (" and verify passed" if checked else "") + "; the copy is kept"
@@ -147,4 +167,4 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     kept = passed and not attempted
     return Outcome(kept="copy" if kept else "original", passed=passed, log=_log(ran, checked),
                    reason=reason, step=ran, verify=checked, copy_name=copy_name,
-                   seconds=time.monotonic() - started, attempted=attempted)
+                   seconds=time.monotonic() - started, attempted=attempted, diff=changes)

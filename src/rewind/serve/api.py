@@ -102,6 +102,7 @@ class TryBody(BaseModel):
     offline: bool = True
     cwd: str | None = None
     timeout: float = 600.0
+    diff: bool = True  # the outcome's `diff`: what the step changed in the copy
 
 
 class CheckpointBody(BaseModel):
@@ -359,6 +360,14 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
     def try_(name: str, body: TryBody) -> dict:
         """Run a step (and a check) in a copy; the copy replaces the machine only if both pass."""
         return service.try_in_copy(name, **body.model_dump())
+
+    @app.get("/machines/{name}/diff", tags=["checkpoints"])
+    def diff(name: str, before: str = "~0", after: str | None = None, all: bool = False,
+             paths: Annotated[list[str] | None, Query()] = None) -> dict:
+        """What changed from point `before` (default ~0, its last) to point `after` or, without
+        it, the machine now: files, packages, processes, listening sockets, rules, labels.
+        `all`: also the noise list's paths; `paths`: globs, repeatable."""
+        return service.diff(name, before, after, all=all, paths=paths)
 
     @app.post("/classify", tags=["commands"])
     def classify(body: ClassifyBody) -> dict:

@@ -11,7 +11,7 @@ import base64
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import httpx2
 
@@ -23,6 +23,9 @@ from rewind.guard.guarded import GuardedResult
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
 from rewind.sandbox import Checkpoint, Command, checked
 from rewind.serve import wire
+
+if TYPE_CHECKING:
+    from rewind.engine.diff import Diff
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 
@@ -206,9 +209,20 @@ class RemoteSandbox:
         return wire.guarded_from(self._call("POST", "/guarded", json=body))
 
     def try_in_copy(self, step: str, verify: str | None = None, *, offline: bool = True,
-                    cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Outcome:
-        body = {"step": step, "verify": verify, "offline": offline, "cwd": cwd, "timeout": timeout}
+                    cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT, diff: bool = True) -> Outcome:
+        body = {"step": step, "verify": verify, "offline": offline, "cwd": cwd, "timeout": timeout,
+                "diff": diff}
         return wire.outcome_from(self._call("POST", "/try", json=body))
+
+    def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,
+             paths: list[str] | None = None) -> Diff:
+        from rewind.engine.diff import Diff
+
+        params: dict[str, Any] = {"before": a.id if isinstance(a, Checkpoint) else a, "all": noise,
+                                  "paths": paths or []}
+        if b is not None:
+            params["after"] = b.id if isinstance(b, Checkpoint) else b
+        return Diff.from_json(self._call("GET", "/diff", params=params))
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
                    wait: bool = False, context: str | None = None,

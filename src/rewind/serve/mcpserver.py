@@ -115,10 +115,11 @@ def build_server(service: Service) -> MCPServer:
 
     @tool(RUN)
     def try_in_copy(name: str, step: str, verify: str | None = None, offline: bool = True,
-                    cwd: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+                    cwd: str | None = None, timeout: float = 600.0, diff: bool = True) -> dict[str, Any]:
         """Run `step`, then `verify`, in a live copy of the machine (offline by default). If both
-        exit 0 the copy replaces the machine; otherwise the machine never saw the step."""
-        return service.try_in_copy(name, step, verify, offline=offline, cwd=cwd, timeout=timeout)
+        exit 0 the copy replaces the machine; otherwise the machine never saw the step. `diff`:
+        the result says what the step changed in the copy, kept or not."""
+        return service.try_in_copy(name, step, verify, offline=offline, cwd=cwd, timeout=timeout, diff=diff)
 
     @tool(READ)
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
@@ -137,6 +138,15 @@ def build_server(service: Service) -> MCPServer:
     def history(name: str) -> dict[str, Any]:
         """The machine's checkpoints, newest first, as ~0, ~1, ..."""
         return {"checkpoints": service.history(name)}
+
+    @tool(READ)
+    def diff(name: str, before: str = "~0", after: str | None = None, all: bool = False,
+             paths: list[str] | None = None) -> dict[str, Any]:
+        """What changed from checkpoint `before` (default ~0, the last) to checkpoint `after` or,
+        without it, the machine now: files added, deleted and modified, Debian packages,
+        processes started and ended, listening sockets, network rules, labels. `all` adds the
+        noise (logs, caches); `paths` keeps only paths matching these globs."""
+        return service.diff(name, before, after, all=all, paths=paths)
 
     @tool(DESTROY)
     def restore(name: str, ref: str) -> dict[str, Any]:

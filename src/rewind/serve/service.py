@@ -106,9 +106,13 @@ class Service:
                                           timeout=timeout, offline=offline).to_json()
 
     def try_in_copy(self, name: str, step: str, verify: str | None = None, *, offline: bool = True,
-                    cwd: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+                    cwd: str | None = None, timeout: float = 600.0, diff: bool = True) -> dict[str, Any]:
         sbx = self.sandbox(name)
-        return try_in_copy(sbx, step, verify, offline=offline, cwd=cwd, timeout=timeout).to_json()
+        return try_in_copy(sbx, step, verify, offline=offline, cwd=cwd, timeout=timeout, diff=diff).to_json()
+
+    def diff(self, name: str, before: str = "~0", after: str | None = None, *, all: bool = False,
+             paths: list[str] | None = None) -> dict[str, Any]:
+        return self.sandbox(name).diff(before, after, noise=all, paths=paths or None).to_json()
 
     @staticmethod
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:

@@ -119,11 +119,14 @@ def _run_from(d: dict[str, Any] | None) -> StepRun | None:
 
 
 def outcome_from(d: dict[str, Any]) -> Outcome:
+    from rewind.engine.diff import Diff  # the host-side disk readers: only when there is one
+
     step = _run_from(d["step"])
     assert step is not None
     return Outcome(kept=d["kept"], passed=d["passed"], log=d["log"], reason=d["reason"], step=step,
                    verify=_run_from(d["verify"]), copy_name=d["copy"], seconds=d["seconds"],
-                   attempted=tuple(d.get("attempted", ())))
+                   attempted=tuple(d.get("attempted", ())),
+                   diff=None if d.get("diff") is None else Diff.from_json(d["diff"]))
 
 
 def guarded_from(d: dict[str, Any]) -> GuardedResult:
