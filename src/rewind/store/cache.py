@@ -429,21 +429,10 @@ class CachedStore(Store):
             self._sync(force=True)
             queued = set(self.queued())
             there = {info.key.rsplit("/", 1)[-1] for info in self.objects.list("chunks/")}
-            problems, users = [], {}
             paths = self._manifest_paths()
-            for path in paths:
-                try:
-                    manifest = self._load_manifest(path)
-                except StoreError as e:
-                    problems.append(str(e))
-                    continue
-                for entry in [manifest, *manifest.history]:
-                    for blob_name, blob in entry.blobs.items():
-                        for h in blob.hashes():
-                            users.setdefault(h, (f"blob {blob_name!r} of checkpoint {entry.id[:12]}",
-                                                 manifest.id in queued))
-            for h, (user, is_queued) in users.items():
-                if h not in there and not (is_queued and os.path.exists(self._chunk_file(h))):
+            problems, users = self._chunk_users(paths)
+            for h, (user, manifest_id) in users.items():
+                if h not in there and not (manifest_id in queued and os.path.exists(self._chunk_file(h))):
                     problems.append(f"chunk {h} is missing from {self.url} (used by {user})")
 
             def verify(h: str) -> str | None:

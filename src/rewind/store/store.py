@@ -472,19 +472,8 @@ class Store:
         """Check that every manifest parses and every chunk they (and their histories) use is
         there; with read_data, also that each decompresses to bytes matching its hash."""
         with os_errors("check the store"), self.lock(operation="check"):
-            problems = []
-            users: dict[str, str] = {}  # chunk -> one user, to say in a problem what it breaks
             paths = self._manifest_paths()
-            for path in paths:
-                try:
-                    manifest = self._load_manifest(path)
-                except StoreError as e:
-                    problems.append(str(e))
-                    continue
-                for entry in [manifest, *manifest.history]:
-                    for blob_name, blob in entry.blobs.items():
-                        for h in blob.hashes():
-                            users.setdefault(h, f"blob {blob_name!r} of checkpoint {entry.id[:12]}")
+            problems, users = self._chunk_users(paths)
 
             def verify(h: str) -> str | None:
                 try:
@@ -493,13 +482,30 @@ class Store:
                     elif not self._chunk_path(h).is_file():
                         raise CorruptChunk(f"chunk {h} is missing from the store")
                 except CorruptChunk as e:
-                    return f"{e} (used by {users[h]})"
+                    return f"{e} (used by {users[h][0]})"
                 return None
 
             with worker_pool() as pool:
                 found = pool.map(verify, users) if read_data else map(verify, users)
                 problems += [p for p in found if p]
         return CheckReport(checkpoints=len(paths), chunks=len(users), problems=problems)
+
+    def _chunk_users(self, paths: list[Path]) -> tuple[list[str], dict[str, tuple[str, str]]]:
+        """For check: the manifests at `paths` that do not parse, and every chunk they (and
+        their histories) use -> (one user, to say in a problem what it breaks; that manifest's id)."""
+        problems, users = [], {}
+        for path in paths:
+            try:
+                manifest = self._load_manifest(path)
+            except StoreError as e:
+                problems.append(str(e))
+                continue
+            for entry in [manifest, *manifest.history]:
+                for blob_name, blob in entry.blobs.items():
+                    for h in blob.hashes():
+                        user = f"blob {blob_name!r} of checkpoint {entry.id[:12]}"
+                        users.setdefault(h, (user, manifest.id))
+        return problems, users
 
     def prune(self, keep_last: int | None = None, keep_days: float | None = None,
               per_machine: bool = True) -> list[str]:
