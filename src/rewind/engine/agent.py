@@ -21,6 +21,7 @@ from rewind.store.model import is_int
 HELLO_RETRY_FIRST = 0.05
 HELLO_RETRY_MAX = 1.0
 HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
+ALIVE_EVERY = 1.0  # while waiting out the grace, check on QEMU and the agent's ports this often
 HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
 
 
@@ -148,10 +149,7 @@ class AgentClient:
             if header is None:
                 self._alive()
                 self._heartbeats.add(self._heartbeat())
-                header, payload = self._recv(until=time.monotonic() + HEARTBEAT_GRACE)
-                if header is None:
-                    self._alive()
-                    raise AgentGone("the guest agent stopped answering (killed, or the guest hung)")
+                header, payload = self._awaited_pong()
             if header.get("t") == "pong" and not header.get("busy") and header.get("id") in self._heartbeats:
                 # An idle agent answered: the one serving this request is gone (killed and restarted).
                 raise AgentGone("the guest agent restarted while serving this request (was it killed?); "
@@ -167,6 +165,18 @@ class AgentClient:
                     raise GuestFileError(message)
                 raise AgentError(message)
             return header, payload
+
+    def _awaited_pong(self) -> tuple[dict, bytes]:
+        """The next frame after a heartbeat, asking `alive` every ALIVE_EVERY seconds meanwhile:
+        a guest whose agent is gone for good is then reported in seconds, not after the grace."""
+        deadline = time.monotonic() + HEARTBEAT_GRACE
+        while True:
+            header, payload = self._recv(until=min(deadline, time.monotonic() + ALIVE_EVERY))
+            if header is not None:
+                return header, payload
+            self._alive()
+            if time.monotonic() >= deadline:
+                raise AgentGone("the guest agent stopped answering (killed, or the guest hung)")
 
     # ---- requests ----
 
