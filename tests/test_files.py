@@ -53,6 +53,19 @@ def test_missing_file_and_directory_are_clear_errors(sbx: Sandbox, tmp_path: Pat
     assert list(tmp_path.iterdir()) == [], "a failed download left a file on the host"
 
 
+def test_a_file_larger_than_max_bytes_is_refused_and_leaves_nothing(sbx: Sandbox, tmp_path: Path) -> None:
+    sbx.exec("head -c 3M /dev/zero > /root/three.bin", check=True)
+    with pytest.raises(GuestFileError, match="larger than 1048576 bytes"):
+        sbx.files.read("/root/three.bin", max_bytes=1 << 20)
+    with pytest.raises(GuestFileError, match="larger than"):
+        sbx.files.download("/root/three.bin", tmp_path / "x", max_bytes=1 << 20)
+    assert list(tmp_path.iterdir()) == [], "a refused download left a file on the host"
+    assert len(sbx.files.read("/root/three.bin", max_bytes=3 << 20)) == 3 << 20
+    with pytest.raises(InvalidArgument, match="max_bytes must be a positive"):
+        sbx.files.read("/root/three.bin", max_bytes=0)
+    assert sbx.exec("rm /root/three.bin").ok, "the machine stopped answering after a refused read"
+
+
 def test_relative_guest_path_is_refused(sbx: Sandbox) -> None:
     with pytest.raises(InvalidArgument, match="absolute"):
         sbx.files.write("relative.txt", "x")

@@ -240,3 +240,19 @@ def test_a_guest_agent_that_cannot_restart_is_reported_at_once(home: Home) -> No
     assert time.monotonic() - started < 10
     sbx.restore("~0")
     assert sbx.exec("test -x /usr/bin/python3 && echo back").stdout == "back\n"
+
+
+def test_what_a_guest_prints_on_its_console_is_kept_bounded(sbx: Sandbox) -> None:
+    """Root in the guest writing to the serial console without end fills at most console.log
+    and console.log.1, each under the bound; the newest output is in console.log."""
+    from rewind.engine import packetfilter
+
+    limit = packetfilter.CONSOLE_LOG_MAX
+    sbx.exec(f"head -c {limit + limit // 2} /dev/zero | tr '\\0' x > /dev/ttyS0; echo the-end > /dev/ttyS0",
+             check=True, timeout=300)
+    log = sbx._machine.path / "console.log"
+    deadline = time.monotonic() + 30
+    while b"the-end" not in log.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b"the-end" in log.read_bytes()
+    assert log.stat().st_size <= limit and (log.parent / "console.log.1").stat().st_size <= limit

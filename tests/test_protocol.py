@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import threading
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 import rewind.engine.agent as agent_module
 from rewind.engine.agent import AgentClient
-from rewind.errors import AgentError, AgentGone
+from rewind.errors import AgentError, AgentGone, GuestFileError
 from rewind.guest.protocol import _PREFIX, MAGIC, Decoder, encode
 
 headers = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=20)), max_size=4)
@@ -162,3 +163,60 @@ def test_a_malformed_exit_from_the_guest_is_an_agent_error(tmp_path: Path, exit_
     with AgentClient(tmp_path / "a.sock") as client, pytest.raises(AgentError, match="malformed exit"):
         client.exec(["true"])
     agent.close()
+
+
+# ---- what the host keeps of a guest that does not keep to the protocol's bounds ----
+
+
+def test_output_past_max_output_is_cut_on_the_host(tmp_path: Path) -> None:
+    """An agent that ignores max_output: the host keeps that much of each stream and says so."""
+    def script(conn, request, _rest) -> None:
+        assert request["max_output"] == 1000
+        for _ in range(5):
+            conn.sendall(encode({"t": "out", "fd": 1}, b"x" * 700) + encode({"t": "out", "fd": 2}, b"e" * 10))
+        conn.sendall(exit_frame())
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    with AgentClient(tmp_path / "a.sock") as client:
+        result = client.exec(["yes"], max_output=1000)
+    agent.close()
+    assert len(result.stdout) == 1000 and result.stdout_truncated
+    assert result.stderr == "e" * 50 and not result.stderr_truncated
+
+
+def test_a_command_past_its_timeout_ends_on_the_host(tmp_path: Path, monkeypatch) -> None:
+    """An agent that keeps answering heartbeats but never ends the command: the call returns
+    timed out once the timeout and the guest's grace have passed."""
+    monkeypatch.setattr(agent_module, "HEARTBEAT_AFTER", 0.1)
+    monkeypatch.setattr(agent_module, "EXEC_DEADLINE_GRACE", 0.5)
+
+    def script(conn, _request, rest) -> None:
+        conn.sendall(encode({"t": "out", "fd": 1}, b"partial"))
+        for frame in rest:  # answer every ping as a busy agent, forever
+            if frame["t"] == "ping":
+                conn.sendall(encode({"t": "pong", "id": frame["id"], "busy": True}))
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    started = time.monotonic()
+    with AgentClient(tmp_path / "a.sock") as client:
+        result = client.exec(["sleep", "inf"], timeout=0.5)
+    took = time.monotonic() - started
+    agent.close()
+    assert result.timed_out and result.exit_code == 124 and result.stdout == "partial"
+    assert 1.0 <= took < 5.0
+
+
+def test_a_read_stops_at_max_bytes(tmp_path: Path) -> None:
+    """An agent sending a file without end: the read fails once it passes max_bytes."""
+    def script(conn, _request, _rest) -> None:
+        conn.sendall(encode({"t": "file", "mode": 0o644}))
+        with contextlib.suppress(OSError):
+            while True:
+                conn.sendall(encode({"t": "data"}, bytes(65536)))
+
+    agent = ScriptedAgent(tmp_path / "a.sock", script)
+    sink = io.BytesIO()
+    with AgentClient(tmp_path / "a.sock") as client, pytest.raises(GuestFileError, match="larger than"):
+        client.read_file("/dev/zero-ish", sink, max_bytes=1_000_000)
+    agent.close()
+    assert sink.tell() <= 1_000_000

@@ -24,7 +24,7 @@ from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.trial import DEFAULT_TIMEOUT
 from rewind.guard.trial import try_in_copy as _try_in_copy
 from rewind.home import Home
-from rewind.store.model import DEFAULT_HISTORY
+from rewind.store.model import DEFAULT_HISTORY, is_int
 
 # The store, the guard's classifier and the checkpoint machinery are imported where they
 # are used, as in engine/machine.py: exec through a new process (the CLI) starts sooner.
@@ -89,6 +89,13 @@ def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
 
 Command = str | list[str]
 MAX_CONTEXT = 64 * 1024
+DEFAULT_READ_MAX = 256 << 20  # what files.read takes into memory unless told otherwise
+
+
+def _positive(what: str, value: object) -> int:
+    if not is_int(value) or value <= 0:
+        raise InvalidArgument(f"{what} must be a positive whole number (got {str(value)[:40]!r})")
+    return value
 
 
 def _engine(home: Home | str | os.PathLike[str] | None) -> Engine:
@@ -382,14 +389,15 @@ class Files:
     def __init__(self, machine: Machine) -> None:
         self._machine = machine
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, max_bytes: int = DEFAULT_READ_MAX) -> bytes:
+        """A whole file, in memory: GuestFileError if it holds more than `max_bytes`."""
         buf = io.BytesIO()
         with self._machine.agent() as agent:
-            agent.read_file(path, buf)
+            agent.read_file(path, buf, _positive("max_bytes", max_bytes))
         return buf.getvalue()
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return self.read(path).decode(encoding)
+    def read_text(self, path: str, encoding: str = "utf-8", max_bytes: int = DEFAULT_READ_MAX) -> str:
+        return self.read(path, max_bytes).decode(encoding)
 
     def write(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         """Write a whole file (parents are created); it appears whole or not at all."""
@@ -405,15 +413,19 @@ class Files:
         with open(local, "rb") as src, self._machine.agent() as agent:
             agent.write_file(path, src, local.stat().st_mode & 0o7777)
 
-    def download(self, path: str, local: str | os.PathLike[str]) -> None:
-        """Copy a file out of the machine; the host file appears only once complete."""
+    def download(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None) -> None:
+        """Copy a file out of the machine; the host file appears only once complete. At most
+        `max_bytes` are taken (by default the machine's disk size, more than any file on it
+        holds but a sparse one): a guest cannot fill the host's disk."""
+        if max_bytes is None:
+            max_bytes = max(self._machine.record.disk_size_mib << 20, DEFAULT_READ_MAX)
         local = Path(local)
         if local.is_dir():
             local = local / Path(path).name
         tmp = local.with_name(f".{local.name}.rewind-partial")
         try:
             with open(tmp, "wb") as sink, self._machine.agent() as agent:
-                mode = agent.read_file(path, sink)
+                mode = agent.read_file(path, sink, _positive("max_bytes", max_bytes))
             os.chmod(tmp, mode & 0o777)
             shutil.move(tmp, local)
         finally:

@@ -23,6 +23,10 @@ HELLO_RETRY_MAX = 1.0
 HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
 ALIVE_EVERY = 1.0  # while waiting out the grace, check on QEMU and the agent's ports this often
 HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
+# What the host keeps of a guest's answers, whatever the guest says: a hostile or broken agent
+# must not fill the host's memory or disk, nor hold a caller past the timeout it asked for.
+DEFAULT_MAX_OUTPUT = 16 << 20  # per stream of one command
+EXEC_DEADLINE_GRACE = 30.0  # after a command's timeout, the guest has this long to report its end
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,11 @@ class ExecResult:
 
 
 OutputCallback = Callable[[str], None]
+TIMEOUT_EXIT_CODE = 124  # as GNU timeout, and the guest agent, report a command that timed out
+
+
+class _PastDeadline(Exception):
+    """A request outlived the deadline the host gave it."""
 
 
 class AgentClient:
@@ -142,10 +151,16 @@ class AgentClient:
                 raise AgentGone("the guest agent's channel closed (QEMU exited?)")
             self._decoder.feed(data)
 
-    def _reply(self) -> tuple[dict, bytes]:
-        """Next frame of the current request, checking on the agent when it is silent."""
+    def _reply(self, deadline: float | None = None) -> tuple[dict, bytes]:
+        """Next frame of the current request, checking on the agent when it is silent;
+        _PastDeadline once `deadline` (monotonic) passes, however lively the agent is."""
         while True:
-            header, payload = self._recv(until=time.monotonic() + HEARTBEAT_AFTER)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _PastDeadline
+            until = time.monotonic() + HEARTBEAT_AFTER
+            header, payload = self._recv(until=until if deadline is None else min(until, deadline))
+            if header is None and deadline is not None and time.monotonic() >= deadline:
+                raise _PastDeadline
             if header is None:
                 self._alive()
                 self._heartbeats.add(self._heartbeat())
@@ -205,10 +220,10 @@ class AgentClient:
              timeout: float | None = None, stdin: bytes | None = None, max_output: int | None = None,
              on_stdout: OutputCallback | None = None,
              on_stderr: OutputCallback | None = None) -> ExecResult:
+        cap = DEFAULT_MAX_OUTPUT if max_output is None else max_output
         request: dict = {"t": "exec", "argv": argv, "cwd": cwd, "env": env or {}, "timeout": timeout,
-                         "stdin": stdin is not None}
-        if max_output is not None:
-            request["max_output"] = max_output
+                         "stdin": stdin is not None, "max_output": cap}
+        deadline = None if timeout is None else time.monotonic() + timeout + EXEC_DEADLINE_GRACE
         self._request(request)
         if stdin is not None:
             for at in range(0, len(stdin), CHUNK):
@@ -217,11 +232,23 @@ class AgentClient:
         chunks: dict[int, list[str]] = {1: [], 2: []}
         decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in (1, 2)}
         callbacks = {1: on_stdout, 2: on_stderr}
+        kept, cut = {1: 0, 2: 0}, {1: False, 2: False}
         while True:
-            header, payload = self._reply()
+            try:
+                header, payload = self._reply(deadline)
+            except _PastDeadline:
+                # The guest did not end the command at its timeout: the session is dropped, which
+                # makes an agent that still listens kill the command's process group.
+                self.close()
+                return ExecResult(exit_code=TIMEOUT_EXIT_CODE, stdout="".join(chunks[1]),
+                                  stderr="".join(chunks[2]), timed_out=True,
+                                  stdout_truncated=cut[1], stderr_truncated=cut[2])
             kind = header.get("t")
             if kind == "out":
                 fd = 1 if header.get("fd") == 1 else 2
+                if len(payload) > cap - kept[fd]:
+                    cut[fd], payload = True, payload[: cap - kept[fd]]
+                kept[fd] += len(payload)
                 text = decoders[fd].decode(payload)
                 chunks[fd].append(text)
                 if callbacks[fd] and text:
@@ -237,20 +264,28 @@ class AgentClient:
                     raise AgentError(f"the guest agent sent a malformed exit: code {str(code)[:40]!r}")
                 return ExecResult(exit_code=code, stdout="".join(chunks[1]),
                                   stderr="".join(chunks[2]), timed_out=bool(header.get("timed_out")),
-                                  stdout_truncated=bool(truncated[0]), stderr_truncated=bool(truncated[1]))
+                                  stdout_truncated=bool(truncated[0]) or cut[1],
+                                  stderr_truncated=bool(truncated[1]) or cut[2])
             else:
                 raise AgentError(f"unexpected frame from the guest agent: {kind!r}")
 
-    def read_file(self, path: str, sink: BinaryIO) -> int:
-        """Copy a guest file into `sink`; returns its mode bits."""
+    def read_file(self, path: str, sink: BinaryIO, max_bytes: int) -> int:
+        """Copy a guest file into `sink`; returns its mode bits. GuestFileError (and the
+        session closed, which ends the guest's read) once it passes `max_bytes`."""
         self._request({"t": "read", "path": path})
         header, _ = self._reply_of("file")
         mode = header.get("mode", 0o644)
         if not is_int(mode) or not 0 <= mode <= 0o7777:
             raise AgentError(f"the guest agent sent a malformed file mode {str(mode)[:40]!r}")
+        size = 0
         while True:
             header, payload = self._reply()
             if header.get("t") == "data":
+                size += len(payload)
+                if size > max_bytes:
+                    self.close()
+                    raise GuestFileError(f"{path} is larger than {max_bytes} bytes, the most this "
+                                         f"read takes (see max_bytes)")
                 sink.write(payload)
             elif header.get("t") == "end":
                 return mode

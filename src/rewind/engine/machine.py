@@ -35,6 +35,7 @@ from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
+    CONSOLE_SOCKET,
     QMP_SOCKET,
     QMP_WARM_SOCKET,
     VmSpec,
@@ -443,7 +444,8 @@ class Machine:
 
     def cleanup_runtime(self) -> None:
         netfilter.stop(self.path)
-        for name in (QMP_SOCKET, QMP_WARM_SOCKET, "qemu.pid", *(agent_socket(i) for i in range(AGENT_PORTS))):
+        for name in (QMP_SOCKET, QMP_WARM_SOCKET, CONSOLE_SOCKET, "qemu.pid",
+                     *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
     # ---- checkpoints ----

@@ -13,6 +13,9 @@ lets it answer the guest directly:
   knows which names each address was looked up under, and names the rules could never
   reach are refused (REFUSED) at once.
 
+It also keeps the machine's console.log: QEMU sends the guest's serial console here, and
+keep_console bounds what is kept of it.
+
 Frames cross the sockets as QEMU's net stream: a 4-byte big-endian length, then the
 frame. Started by the engine (netfilter.spawn) with the machine's tag and rules as arguments, in the
 machine's directory; it detaches once it is connected and exits when QEMU does.
@@ -35,6 +38,7 @@ import dpkt
 
 from rewind.engine.netfilter import CONNECT_TIMEOUT, CONTROL, LOG_FILE, write_pid_file
 from rewind.engine.netrules import DNS_SERVER, NetworkRules
+from rewind.engine.qemu import CONSOLE_LOG, CONSOLE_SOCKET
 from rewind.engine.qemu import NET_FROM_GUEST as FROM_GUEST
 from rewind.engine.qemu import NET_TO_GUEST as TO_GUEST
 from rewind.engine.qemu import NET_TO_NET as TO_NET
@@ -44,6 +48,7 @@ HOST_CHECK_TTL = 10.0  # the host's own addresses can change (DHCP, new interfac
 MAX_NAMED_ADDRESSES = 4096  # the name map a guest's DNS questions fill is bounded
 MAX_DNS_IN_FLIGHT = 64  # questions past this are dropped, as a busy resolver would
 MAX_ATTEMPTS = 256  # distinct refused destinations remembered (see Filter.attempts)
+CONSOLE_LOG_MAX = 1 << 20  # console.log moves to console.log.1 at this size: 2 MiB at most of both
 _PROTOCOLS = {dpkt.ip.IP_PROTO_TCP: "tcp", dpkt.ip.IP_PROTO_UDP: "udp", dpkt.ip.IP_PROTO_ICMP: "icmp"}
 _LENGTH = struct.Struct(">I")
 
@@ -244,12 +249,30 @@ async def _connect(path: str, deadline: float) -> tuple[asyncio.StreamReader, as
             await asyncio.sleep(0.01)
 
 
+async def keep_console(console: asyncio.StreamReader, limit: int = CONSOLE_LOG_MAX) -> None:
+    """Append the guest's serial console to console.log until QEMU closes it; a log that
+    would pass `limit` moves to console.log.1 first (replacing the one before)."""
+    log = open(CONSOLE_LOG, "ab")  # noqa: SIM115 - it is replaced as it fills
+    try:
+        while data := await console.read(65536):
+            if log.tell() + len(data) > limit:
+                log.close()
+                os.replace(CONSOLE_LOG, f"{CONSOLE_LOG}.1")
+                log = open(CONSOLE_LOG, "ab")  # noqa: SIM115
+            log.write(data)
+            log.flush()
+    finally:
+        log.close()
+
+
 async def _run(rules: NetworkRules, ready: int) -> None:
     deadline = time.monotonic() + CONNECT_TIMEOUT
     # Keep every writer, even the one we never write to: a dropped StreamWriter closes its socket.
     from_guest, from_guest_w = await _connect(FROM_GUEST, deadline)
     _, to_net = await _connect(TO_NET, deadline)
     _, to_guest = await _connect(TO_GUEST, deadline)
+    console, console_w = await _connect(CONSOLE_SOCKET, deadline)
+    console_kept = asyncio.create_task(keep_console(console))
     flt = Filter(rules, to_net, to_guest)
     Path(CONTROL).unlink(missing_ok=True)
     server = await asyncio.start_unix_server(flt.control, path=CONTROL)
@@ -269,7 +292,8 @@ async def _run(rules: NetworkRules, ready: int) -> None:
         pass  # QEMU has exited
     finally:
         server.close()
-        for writer in (from_guest_w, to_net, to_guest):
+        console_kept.cancel()
+        for writer in (from_guest_w, to_net, to_guest, console_w):
             writer.close()
         Path(CONTROL).unlink(missing_ok=True)
 

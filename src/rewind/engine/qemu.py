@@ -28,6 +28,9 @@ QMP_SOCKET = "qmp.sock"
 QMP_WARM_SOCKET = "qmp-warm.sock"  # a second monitor, for populating memory in the background
 PID_FILE = "qemu.pid"
 CONSOLE_LOG = "console.log"
+# A machine's serial console goes to its filter process, which keeps console.log bounded (see
+# packetfilter.keep_console): root in a guest can write to it without end.
+CONSOLE_SOCKET = "console.sock"
 QEMU_LOG = "qemu.log"
 # The guest's frames go to the network filter (packetfilter.py) and come back through these.
 NET_FROM_GUEST = "net-guest.sock"  # frames the guest sent
@@ -59,6 +62,7 @@ class VmSpec:
     mac: str
     vmgenid: str
     incoming: bool = False  # wait for `migrate-incoming` instead of booting
+    console_to_file: bool = False  # QEMU itself writes console.log, unbounded: only the template's boot
     kernel_cmdline: str = KERNEL_CMDLINE
 
 
@@ -82,7 +86,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-device", "virtio-serial-pci,id=vser0",
         "-device", "virtio-rng-pci,id=rng0",
         "-device", f"vmgenid,guid={spec.vmgenid},id=vmgenid0",
-        "-chardev", f"file,id=console,path={CONSOLE_LOG}", "-serial", "chardev:console",
+        "-chardev", (f"file,id=console,path={CONSOLE_LOG}" if spec.console_to_file
+                     else f"socket,id=console,path={CONSOLE_SOCKET},server=on,wait=off"),
+        "-serial", "chardev:console",
         "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
         "-qmp", f"unix:{QMP_WARM_SOCKET},server=on,wait=off",
         "-pidfile", PID_FILE, "-daemonize",
@@ -143,7 +149,7 @@ def launch(spec: VmSpec, run_dir: Path) -> int:
     """Start QEMU daemonized in `run_dir`; returns its PID once its sockets exist."""
     if shutil.which(QEMU_BINARY) is None:
         raise QemuError(f"{QEMU_BINARY} is not installed (apt-get install qemu-system-x86)")
-    for name in (QMP_SOCKET, PID_FILE, *(agent_socket(i) for i in range(AGENT_PORTS))):
+    for name in (QMP_SOCKET, PID_FILE, CONSOLE_SOCKET, *(agent_socket(i) for i in range(AGENT_PORTS))):
         (run_dir / name).unlink(missing_ok=True)
     with open(run_dir / QEMU_LOG, "ab") as log:
         done = subprocess.run(qemu_argv(spec), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,

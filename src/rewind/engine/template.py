@@ -109,7 +109,7 @@ def _warm_up(agent: AgentClient) -> None:
     for argv in (["true"], ["bash", "-c", "true"]):
         agent.exec(argv)
     agent.write_file("/tmp/.rewind-warm-up", io.BytesIO(b"x"))
-    agent.read_file("/tmp/.rewind-warm-up", io.BytesIO())
+    agent.read_file("/tmp/.rewind-warm-up", io.BytesIO(), max_bytes=1)
     agent.exec(["rm", "-f", "/tmp/.rewind-warm-up"])
 
 
@@ -120,7 +120,7 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
     tag = str(uuid.uuid4())
     spec = VmSpec(tag=tag, memory_mib=memory_mib, cpus=cpus, accel=accel, kernel=image.kernel,
                   initrd=image.initrd, disks=[tmpl.disk], ram_file=tmpl.ram, ram_shared=True,
-                  mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()))
+                  mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()), console_to_file=True)
     pid = launch(spec, out)
     try:
         def alive() -> None:

@@ -378,9 +378,12 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
 
     @app.get("/machines/{name}/files", tags=["files"], response_class=FileResponse,
              responses={200: {"content": {OCTETS: {}}}})
-    def download(name: str, path: str) -> FileResponse:
+    def download(name: str, path: str,
+                 max_bytes: Annotated[int | None, Query(gt=0, description="Refuse a file larger than this "
+                                                        "(default: the machine's disk size)")] = None
+                 ) -> FileResponse:
         """A guest file, streamed from a copy on the host; X-Rewind-Mode: its permission bits (octal)."""
-        out, _ = _produced(service, lambda out: service.download(name, path, out))
+        out, _ = _produced(service, lambda out: service.download(name, path, out, max_bytes))
         return _sent(out, headers={"X-Rewind-Mode": f"{out.stat().st_mode & 0o7777:o}"})
 
     @app.put("/machines/{name}/files", tags=["files"], status_code=204, openapi_extra=BINARY_BODY)

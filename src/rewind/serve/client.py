@@ -21,7 +21,7 @@ from rewind.errors import InvalidArgument, RewindError
 from rewind.guard.classify import Decision
 from rewind.guard.guarded import GuardedResult
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
-from rewind.sandbox import Checkpoint, Command, checked
+from rewind.sandbox import DEFAULT_READ_MAX, Checkpoint, Command, checked
 from rewind.serve import wire
 
 if TYPE_CHECKING:
@@ -268,11 +268,11 @@ class RemoteFiles:
     def __init__(self, sbx: RemoteSandbox) -> None:
         self._sbx = sbx
 
-    def read(self, path: str) -> bytes:
-        return self._sbx._call("GET", "/files", params={"path": path})
+    def read(self, path: str, max_bytes: int = DEFAULT_READ_MAX) -> bytes:
+        return self._sbx._call("GET", "/files", params={"path": path, "max_bytes": max_bytes})
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return self.read(path).decode(encoding)
+    def read_text(self, path: str, encoding: str = "utf-8", max_bytes: int = DEFAULT_READ_MAX) -> str:
+        return self.read(path, max_bytes).decode(encoding)
 
     def write(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         raw = data.encode() if isinstance(data, str) else data
@@ -289,7 +289,7 @@ class RemoteFiles:
             self._sbx._call("PUT", "/files", params={"path": path, "mode": local.stat().st_mode & 0o7777},
                             content=body, headers={"Content-Type": "application/octet-stream"})
 
-    def download(self, path: str, local: str | os.PathLike[str]) -> None:
+    def download(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         """As Files.download: streamed, and the host file appears only once complete."""
         local = Path(local)
         if local.is_dir():
@@ -297,7 +297,8 @@ class RemoteFiles:
         tmp = local.with_name(f".{local.name}.rewind-partial")
         try:
             with open(tmp, "wb") as sink:
-                mode = self._sbx._remote.fetch(f"/machines/{self._sbx.name}/files", {"path": path}, sink)
+                params = {"path": path} | ({"max_bytes": max_bytes} if max_bytes is not None else {})
+                mode = self._sbx._remote.fetch(f"/machines/{self._sbx.name}/files", params, sink)
             os.chmod(tmp, int(mode or "644", 8) & 0o777)
             os.replace(tmp, local)
         finally:

@@ -126,9 +126,9 @@ class Service:
     def write_file(self, name: str, path: str, data: bytes, mode: int | None = None) -> None:
         self.sandbox(name).files.write(path, data, mode)
 
-    def download(self, name: str, path: str, out: Path) -> None:
+    def download(self, name: str, path: str, out: Path, max_bytes: int | None = None) -> None:
         """A guest file copied to `out` on the host, with its permission bits."""
-        self.sandbox(name).files.download(path, out)
+        self.sandbox(name).files.download(path, out, max_bytes)
 
     def upload(self, name: str, src: Path, path: str) -> None:
         """A host file written into the guest, with its permission bits."""
