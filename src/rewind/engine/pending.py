@@ -27,7 +27,7 @@ from pathlib import Path
 from rewind.engine import ramcache
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import SplitResult, StreamError
-from rewind.engine.qemu import lower_priority, process_alive, start_detached, wait_exit
+from rewind.engine.qemu import process_alive, start_detached, wait_exit
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.engine.snapshot import (
     CAPTURE_TIMEOUT,
@@ -301,7 +301,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             for parent in (home.root / "pending").glob(f"*-{point.parent}.json"):
                 _commit(home, parent, report)
         try:
-            _write_out(point, in_background=not report)
+            _write_out(point)
             split = point.wait_written()
             missing = [f for f in (point.ram, point.devstate, *point.disks) if not Path(f).exists()]
             if missing:  # the host restarted (tmpfs emptied), or someone removed them
@@ -340,15 +340,12 @@ def _process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _write_out(point: PendingCheckpoint, in_background: bool = False) -> None:
+def _write_out(point: PendingCheckpoint) -> None:
     """Have a restore's stopped QEMU write its memory out, unless that is done or under way.
-    `in_background` (nobody waits for it): at the lowest priority, as the committer's own work
-    is niced. At QEMU's own it took the CPU from the next step: a try's copy, started 1 s
-    after a restore, waited 1.0-1.1 s for its memory against 0.25-0.5 s otherwise."""
+    (At the lowest priority, tried in session 10, the loop's tries were slower, 1.5-2.5 s
+    against 1.2-2.3 s: the old QEMU and its memory then lived on into the next steps.)"""
     if point.monitor is None or write_out_started(Path(point.ram), Path(point.devstate)):
         return
-    if in_background and point.end_qemu is not None:
-        lower_priority(point.end_qemu, point.machine_uuid)
     try:
         with Monitor(Path(point.monitor)) as mon:
             write_out(mon, Path(point.ram), Path(point.devstate))

@@ -7,7 +7,6 @@ state saved from one QEMU loads into another.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -187,17 +186,6 @@ def start_ticks(pid: int) -> int | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[19])  # field 22 of the whole line
-
-
-def lower_priority(pid: int, tag: str) -> None:
-    """Give every thread of our QEMU `pid` the lowest CPU priority (threads it starts later
-    inherit it): for a QEMU whose guest is stopped for good and only writes its memory out."""
-    if not process_alive(pid, tag):
-        return
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
 
 
 def kill(pid: int, tag: str, grace: float = 5.0) -> None:
