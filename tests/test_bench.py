@@ -23,7 +23,9 @@ EXPECTED = {
     "http_exec_added_ms", "http_checkpoint_added_ms", "http_restore_added_ms", "mcp_exec_added_ms",
     "mcp_checkpoint_added_ms", "mcp_restore_added_ms", "cli_help_s", "cli_exec_added_s",
     "checkpoint_flush_ms", "checkpoint_call_after_write_s", "diff_first_s", "diff_points_1mib_s",
-    "diff_live_1mib_s",
+    "diff_live_1mib_s", "s3_checkpoint_until_stored_local_s", "s3_checkpoint_until_uploaded_s",
+    "s3_create_from_other_home_s", "s3_create_from_shared_folder_s", "s3_uploaded_mib_first_point",
+    "s3_uploaded_mib_per_point", "s3_uploaded_mib_copy_point",
 }
 
 

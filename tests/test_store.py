@@ -392,6 +392,15 @@ def test_export_and_import_round_trip(exported: tuple[Path, list[CheckpointManif
     assert store_state(target) == before
 
 
+def test_an_export_is_its_owners_alone_and_a_relative_store_path_is_made_absolute(
+        exported: tuple[Path, list[CheckpointManifest], list[bytes]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _, _ = exported
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds a guest's memory
+    monkeypatch.chdir(tmp_path)
+    assert Store.open("store").root == tmp_path / "store"
+
+
 @pytest.mark.parametrize("damage", ["cut-at-1/2", "cut-last-byte", "cut-after-magic", "flip-in-header",
                                     "flip-in-manifest", "flip-in-chunk", "flip-in-checksum", "extra-byte",
                                     "not-an-export"])

@@ -43,6 +43,17 @@ def describe_host(home: Home) -> dict[str, str]:
             "machine": f"{DEFAULT_MEMORY_MIB} MiB, {DEFAULT_CPUS} vCPUs"}
 
 
+def _store_in_a_bucket(tmp: Path, images: Path, report: Report, rounds: int, progress: Progress) -> None:
+    """The S3 section (bench/s3.py), last: its uploads must not run beside other figures.
+    Skipped, with a line, where rclone is not installed (it comes with the bench extras)."""
+    from rewind.bench import s3  # boto3 is a slow import
+
+    try:
+        s3.run_s3(tmp, images, report, rounds, progress)
+    except FileNotFoundError as e:
+        progress(f"store in a bucket: skipped ({e})")
+
+
 def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = lambda _: None,
         images: Path | None = None) -> Report:
     """Measure everything in a scratch home that shares the built image; nothing is left behind."""
@@ -65,6 +76,8 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             big, touched = ours.curve_machine(home, quick)
             ours.memory_curve(big, touched, report, progress)
             run_peers(big, report, touched, rounds, progress)
+            big.delete()
+            _store_in_a_bucket(Path(tmp) / "s3", home.images, report, 2 if quick else 3, progress)
         finally:
             for left in Sandbox.list(home=home):
                 left.delete()

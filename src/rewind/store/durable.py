@@ -11,10 +11,17 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from rewind.store.errors import StoreError
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def create_private(path: Path) -> BinaryIO:
+    """A new file (not one already there) that only its owner can read, whatever the umask:
+    what rewind writes holds guests' memory and disks."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
 
 
 def write_tmp(tmp_dir: Path, data: bytes, sync: bool = True) -> Path:

@@ -125,7 +125,8 @@ class Store:
             from rewind.store.cache import open_remote
 
             return open_remote(str(path), create, chunk_size, lock_timeout, home)
-        root = Path(path)
+        # Absolute: the store's path is recorded in journals that committers read from elsewhere.
+        root = Path(path).absolute()
         if not (root / "config.json").exists():
             if not create:
                 raise StoreError(f"there is no checkpoint store at {root}")

@@ -27,7 +27,7 @@ from typing import BinaryIO
 import blake3
 
 from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk
-from rewind.store.durable import fsync_dir, os_errors, write_tmp
+from rewind.store.durable import create_private, fsync_dir, os_errors, write_tmp
 from rewind.store.errors import BadExport, CorruptChunk
 from rewind.store.model import CheckpointManifest
 from rewind.store.store import Store
@@ -48,7 +48,7 @@ def export_checkpoint(store: Store, ref: str | CheckpointManifest, out_path: str
         hashes = sorted(manifest.all_hashes())
         tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with create_private(tmp) as f:
                 writer = _Writer(f)
                 body = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
                 writer.write(MAGIC + _U32.pack(len(body)))
