@@ -216,8 +216,8 @@ def warm_main() -> None:
     sock, state_dir, pid, memory_mib = sys.argv[1:5]
     # One warmer per machine at a time (a kept copy is warmed when it starts, and again when kept).
     lock = file_lock(Path(state_dir) / "populate.lock", timeout=0, what="warming")
-    with contextlib.suppress(MonitorError, OSError, Busy), lock, Monitor(Path(sock)) as mon:
-        # Connected first: the machine's folder may be renamed (a kept copy) meanwhile.
+    # Connected first: the machine's folder may be renamed (a kept copy) meanwhile.
+    with contextlib.suppress(MonitorError, OSError, Busy), Monitor(Path(sock)) as mon, lock:
         ensure_populated(mon, Path(state_dir), int(pid), int(memory_mib))
 
 

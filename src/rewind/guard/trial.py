@@ -147,9 +147,6 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     # which is quicker than a background capture (and its populate).
     [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
                          network=rules, hold_source=True)
-    # A kept copy is checkpointed soon: its QEMU is readied for that while the step runs
-    # (started when it was kept, it was not done in time for the next round's checkpoint).
-    copy.warm()
     try:
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
