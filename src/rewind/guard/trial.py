@@ -147,6 +147,11 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     # which is quicker than a background capture (and its populate).
     [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
                          network=rules, hold_source=True)
+    # A kept copy is checkpointed soon: its QEMU is readied for that while the step runs (warmed
+    # once kept, it was not done in time for the next round's checkpoint). For a copy that is
+    # thrown away this is spare CPU at the lowest priority, and its point's file is dense a little
+    # sooner than its commit releases it.
+    copy.warm()
     try:
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
