@@ -154,7 +154,7 @@ def small_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 def test_short_tmpfs_is_a_clear_error_before_any_work(small_tmpfs: Path, home: Home) -> None:
     sbx = Sandbox.create("short", home=Home(root=home.root, images=home.images))
     assert sbx._machine.engine.home.runtime == small_tmpfs
-    with pytest.raises(ramcache.NoRoom, match="needs up to 512 MiB"):
+    with pytest.raises(ramcache.NoRoom, match=r"needs up to \d+ MiB"):
         sbx.checkpoint()
     assert sbx.exec("echo alive").stdout == "alive\n", "the machine did not survive the refusal"
     assert not pending.journals(home)

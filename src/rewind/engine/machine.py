@@ -473,7 +473,7 @@ class Machine:
         from rewind.engine.snapshot import start_warming
 
         r = self.record
-        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib)
+        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib, r.ram)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""

@@ -133,10 +133,15 @@ def trim(folder: Path, pinned: Pinned, limit: int | None = None) -> int:
     return released
 
 
+def fits(folder: Path, need: int) -> bool:
+    """Whether `need` bytes can be written to the tmpfs holding `folder` as it is now."""
+    return _fs(folder)[1] >= need + MARGIN
+
+
 def ensure_room(folder: Path, need: int, pinned: Pinned, what: str) -> None:
     """Make sure `need` bytes can be written to tmpfs, releasing cached images if that helps;
     NoRoom, before anything is done, if they cannot be."""
-    if _fs(folder)[1] >= need + MARGIN:
+    if fits(folder, need):
         return
     trim(folder, pinned, limit=0)
     free = _fs(folder)[1]

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.engine import prefault, spawner
+from rewind.engine import prefault, ramcache, spawner
 from rewind.engine.locks import file_lock
 from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
 from rewind.engine.qemu import QMP_WARM_SOCKET, guest_ram_ranges, start_detached
@@ -193,6 +193,20 @@ def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -
         marker.write_text(str(pid))
 
 
+def populate_need(state_dir: Path, pid: int, ram_file: str | None) -> int:
+    """The bytes of tmpfs populate() would take: a fault on a hole of the memory file QEMU
+    maps allocates a page there, even a read fault of a copy-on-write mapping, and a QEMU
+    whose file cannot grow dies of SIGBUS (seen: warming a machine on a 420 MiB tmpfs).
+    0 once this QEMU is populated or when its memory is not a file."""
+    if ram_file is None or _reads(_populated_marker(state_dir)) == str(pid):
+        return 0
+    try:
+        st = os.stat(ram_file)
+    except OSError:
+        return 0
+    return max(0, st.st_size - st.st_blocks * 512)
+
+
 def _reads(path: Path) -> str | None:
     try:
         return path.read_text()
@@ -200,20 +214,25 @@ def _reads(path: Path) -> str | None:
         return None
 
 
-def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memory_mib: int) -> None:
+def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memory_mib: int,
+                  ram_file: str | None) -> None:
     """populate() a machine's new QEMU in a detached process now (with its second monitor, for
     when QEMU must read its memory itself), so that its first checkpoint does not pay for it
     (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first waits
     for it to finish. At the lowest priority: at full speed it delayed the restored guest's
     first command by 0.1-0.3 s. Forked by the home's spawner where it answers."""
-    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib)]
+    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib), ram_file or ""]
     if spawner.spawn(runtime, spawner.Request("warm", args, nice=19)) is None:
         start_detached(["nice", "-n", "19", sys.executable, "-m", "rewind.engine.snapshot", *args])
 
 
 def warm_main() -> None:
-    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB`."""
-    sock, state_dir, pid, memory_mib = sys.argv[1:5]
+    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB RAM_FILE`.
+    It leaves a machine cold where tmpfs could not also take its first checkpoint's image."""
+    sock, state_dir, pid, memory_mib, ram_file = sys.argv[1:6]
+    need = populate_need(Path(state_dir), int(pid), ram_file or None)
+    if need and not ramcache.fits(Path(ram_file).parent, need + (int(memory_mib) << 20)):
+        return
     # One warmer per machine at a time (a kept copy is warmed when it starts, and again when kept).
     lock = file_lock(Path(state_dir) / "populate.lock", timeout=0, what="warming")
     # Connected first: the machine's folder may be renamed (a kept copy) meanwhile.

@@ -33,7 +33,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import QMP_SOCKET, disk_node
-from rewind.engine.snapshot import capture, ensure_populated
+from rewind.engine.snapshot import capture, ensure_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
@@ -161,7 +161,9 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         folder.mkdir(parents=True, exist_ok=True)
     point_id = new_checkpoint_id()
     machine.check_alive()
-    pending.ensure_room(home, machine.record.memory_mib << 20, f"a checkpoint of {machine.name!r}")
+    r = machine.record
+    populating = populate_need(machine.disk_dir, r.pid, r.ram) if live and not held else 0
+    pending.ensure_room(home, (r.memory_mib << 20) + populating, f"a checkpoint of {machine.name!r}")
     guest = gueststate.flush(machine.path)  # its files on its disk, for diffs (see gueststate.py)
     with machine.monitor() as mon:
         _reconcile_disks(machine, mon)
