@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rewind import (
+    AgentError,
     AgentGone,
     Busy,
     Home,
@@ -192,7 +194,7 @@ def test_stop_waits_for_a_running_command_or_fails_clearly(home: Home,
 def test_an_imported_image_runs(home: Home, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A user's own image (here, the default one's files given back as if they were the user's)."""
     base = find_image(home.images)
-    mine = import_image(tmp_path / "images", "mine", base.kernel, base.initrd, base.disk)
+    mine = import_image(tmp_path / "images", "mine", base.kernel, base.initrd, base.disk, base.runtime_disk)
     assert mine.disk_size_mib == base.disk_size_mib
     monkeypatch.setenv("REWIND_ACCEL", Engine(home).accel().accel)  # no default image there to probe with
     own_home = Home(root=home.root, images=tmp_path / "images")
@@ -220,12 +222,13 @@ def test_a_runtime_folder_of_another_user_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_guest_agent_that_cannot_restart_is_reported_at_once(home: Home) -> None:
-    """A step that removes the guest's python3 leaves the running agent answering; once its
-    processes end, init cannot restart it. The next command says so within seconds (not after
-    the 30 s connect timeout) and points to restore, which brings the machine back."""
+    """A step that hides the agent's runtime disk (root can unmount it) leaves the running
+    agent answering; once its processes end, init cannot restart it. The next command says so
+    within seconds (not after the 30 s connect timeout) and points to restore, which brings
+    the machine back."""
     sbx = Sandbox.create("agentless", home=home)
     sbx.checkpoint()
-    sbx.exec("mv /usr/bin/python3 /usr/bin/python3.gone && "
+    sbx.exec("umount -l /usr/lib/rewind && "
              "setsid sh -c 'sleep 0.3; pkill -KILL -f /usr/lib/rewind/agent.py' </dev/null >/dev/null 2>&1 &",
              check=True)
     deadline = time.monotonic() + 30
@@ -239,7 +242,33 @@ def test_a_guest_agent_that_cannot_restart_is_reported_at_once(home: Home) -> No
         sbx.exec("true")
     assert time.monotonic() - started < 10
     sbx.restore("~0")
-    assert sbx.exec("test -x /usr/bin/python3 && echo back").stdout == "back\n"
+    assert sbx.exec("test -f /usr/lib/rewind/agent.py && echo back").stdout == "back\n"
+
+
+def test_the_agent_restarts_with_the_guests_python_and_libc_gone(home: Home) -> None:
+    """Agents break the guest's Python and libraries all the time. The agent runs from its
+    own read-only disk: a step cannot change it, and with the guest's python3 and libc removed
+    and every agent process killed, init starts the agent again and it answers."""
+    sbx = Sandbox.create("pythonless", home=home)
+    sbx.checkpoint()
+    touched = sbx.exec("touch /usr/lib/rewind/agent.py")
+    assert touched.exit_code != 0 and "Read-only file system" in touched.stderr
+    # agent[.]py: a pattern that does not match the shell's own command line, or pkill ends it first
+    sbx.exec("rm -rf /usr/lib/python3* /usr/bin/python3* && setsid sh -c "
+             "'sleep 0.3; pkill -KILL -f /usr/lib/rewind/agent[.]py; rm /usr/lib/x86_64-linux-gnu/libc.so.6' "
+             "</dev/null >/dev/null 2>&1 &", check=True)
+
+    def libc_gone() -> bool:  # it goes after the agent was killed: whoever answers, restarted
+        with contextlib.suppress(AgentError):
+            return sbx.exec("true").exit_code == 127  # the guest's own programs cannot load
+        return False
+
+    deadline = time.monotonic() + 30
+    while not libc_gone():
+        assert time.monotonic() < deadline, "the agent did not come back"
+    assert sbx.files.read_text("/etc/hostname") == "pythonless\n"
+    sbx.restore("~0")
+    assert sbx.exec("python3 -c 'print(6 * 7)'").stdout == "42\n"
 
 
 def test_what_a_guest_prints_on_its_console_is_kept_bounded(sbx: Sandbox) -> None:

@@ -849,8 +849,11 @@ def image_build(force: bool, as_json: bool) -> None:
 @click.option("--kernel", required=True, type=click.Path(dir_okay=False), help="The guest kernel.")
 @click.option("--initrd", required=True, type=click.Path(dir_okay=False), help="Its initramfs.")
 @click.option("--disk", required=True, type=click.Path(dir_okay=False), help="Root disk, raw or qcow2.")
+@click.option("--runtime-disk", type=click.Path(dir_okay=False),
+              help="A raw disk attached read-only as /dev/vdb (the default image's holds its agent).")
 @json_option
-def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) -> None:
+def image_import(name: str, kernel: str, initrd: str, disk: str, runtime_disk: str | None,
+                 as_json: bool) -> None:
     """Add an image of your own as NAME (use it with `rewind start --image NAME`).
 
     The guest must mount /dev/vda as its root and run rewind's guest agent as root
@@ -858,7 +861,8 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, as_json: bool) 
     """
     from rewind.image import import_image
 
-    imported = import_image(_engine().home.images, name, Path(kernel), Path(initrd), Path(disk))
+    imported = import_image(_engine().home.images, name, Path(kernel), Path(initrd), Path(disk),
+                            Path(runtime_disk) if runtime_disk else None)
     if as_json:
         emit_json({"id": imported.id, "path": str(imported.path), "disk_size_mib": imported.disk_size_mib})
     else:

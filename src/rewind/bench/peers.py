@@ -87,7 +87,8 @@ class PlainQemu:
         spec = VmSpec(tag=tag, memory_mib=machine.record.memory_mib, cpus=machine.record.cpus,
                       accel=machine.record.accel, kernel=image.kernel, initrd=image.initrd,
                       disks=[self.work / "saved.qcow2"], ram_file=None, ram_shared=False,
-                      mac=machine.record.mac, vmgenid=str(uuid.uuid4()), incoming=True)
+                      mac=machine.record.mac, vmgenid=str(uuid.uuid4()), incoming=True,
+                      runtime_disk=image.runtime_disk)
         started = time.perf_counter()
         pid = launch(spec, run_dir)
         try:

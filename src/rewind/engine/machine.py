@@ -263,8 +263,8 @@ class Machine:
         if now - self._agent_closed_since > AGENT_RESTART_GRACE:
             raise AgentGone(f"machine {self.name!r}: its guest agent is not running and has not restarted "
                             f"for {AGENT_RESTART_GRACE:.0f} s (a command may have removed what it runs on, "
-                            f"such as the guest's python3); `rewind restore {self.name} ~0` puts the machine "
-                            "back to its last checkpoint")
+                            f"such as its runtime disk at /usr/lib/rewind); `rewind restore {self.name} ~0` "
+                            "puts the machine back to its last checkpoint")
 
     # ---- sessions ----
 
@@ -291,7 +291,8 @@ class Machine:
         image = self.engine.image(r.image_id)
         return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
                       kernel=image.kernel, initrd=image.initrd, disks=[Path(d) for d in r.disks],
-                      ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=r.vmgenid, incoming=incoming)
+                      ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=r.vmgenid, incoming=incoming,
+                      runtime_disk=image.runtime_disk)
 
     @property
     def disk_dir(self) -> Path:

@@ -63,6 +63,7 @@ class VmSpec:
     vmgenid: str
     incoming: bool = False  # wait for `migrate-incoming` instead of booting
     console_to_file: bool = False  # QEMU itself writes console.log, unbounded: only the template's boot
+    runtime_disk: Path | None = None  # the guest agent and its own Python, attached read-only (image.build)
     kernel_cmdline: str = KERNEL_CMDLINE
 
 
@@ -80,6 +81,7 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
         *disk_args(spec.disks),
+        *runtime_disk_args(spec.runtime_disk),
         # IPv4 only, and every frame the guest sends goes through our filter (packetfilter.py).
         "-netdev", "user,id=net0,ipv6=off", "-device", f"virtio-net-pci,netdev=net0,mac={spec.mac},id=nic0",
         *netfilter_args(),
@@ -127,6 +129,9 @@ def netfilter_args() -> list[str]:
     ]
 
 
+RUNTIME_NODE = "runtime"  # the agent's disk; the root disk's layers are disk_node(i)
+
+
 def disk_node(i: int) -> str:
     return f"d{i}"
 
@@ -143,6 +148,16 @@ def disk_args(chain: list[Path]) -> list[str]:
         args += ["-blockdev", f"node-name={disk_node(i)},driver=qcow2,file.driver=file,"
                               f"file.filename={path}{backing}{mode}"]
     return [*args, "-device", f"virtio-blk-pci,drive={disk_node(len(chain) - 1)},id=vda"]
+
+
+def runtime_disk_args(path: Path | None) -> list[str]:
+    """The guest agent's disk (the guest's /dev/vdb, after the root disk), read-only: nothing a
+    step does in the guest can change what rewind's channel into it runs on."""
+    if path is None:
+        return []
+    return ["-blockdev", f"node-name={RUNTIME_NODE},driver=raw,file.driver=file,file.filename={path},"
+                         "read-only=on",
+            "-device", f"virtio-blk-pci,drive={RUNTIME_NODE},id=vdb"]
 
 
 def launch(spec: VmSpec, run_dir: Path) -> int:

@@ -120,7 +120,8 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
     tag = str(uuid.uuid4())
     spec = VmSpec(tag=tag, memory_mib=memory_mib, cpus=cpus, accel=accel, kernel=image.kernel,
                   initrd=image.initrd, disks=[tmpl.disk], ram_file=tmpl.ram, ram_shared=True,
-                  mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()), console_to_file=True)
+                  mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()), console_to_file=True,
+                  runtime_disk=image.runtime_disk)
     pid = launch(spec, out)
     try:
         def alive() -> None:

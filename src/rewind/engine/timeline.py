@@ -32,7 +32,7 @@ from rewind.engine.machine import validate_name
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
-from rewind.engine.qemu import QMP_SOCKET, disk_node
+from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
 from rewind.engine.snapshot import capture, ensure_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
@@ -231,7 +231,8 @@ def _reconcile_disks(machine: Machine, mon: Monitor) -> None:
     """If an interrupted checkpoint already gave the running QEMU a new top layer that the
     record missed, adopt it (its old top is then a plain frozen layer)."""
     expected = disk_node(len(machine.record.disks) - 1)
-    live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block") if "inserted" in d)
+    live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block")
+                if "inserted" in d and d["inserted"]["node-name"] != RUNTIME_NODE)
     if live == expected:
         return
     if live != disk_node(len(machine.record.disks)):

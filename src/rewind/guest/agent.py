@@ -8,7 +8,8 @@ the request is abandoned: a running command's process group is killed and a
 half-written file is removed.
 
 Standard library only, except the git tier (gittier.py, which uses Debian's
-python3-dulwich); the image builder copies these files into the guest.
+python3-dulwich); the image builder puts these files, with a copy of the Python
+they run on, on the guest's read-only runtime disk (see image/build.py).
 """
 
 from __future__ import annotations

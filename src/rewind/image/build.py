@@ -2,9 +2,14 @@
 
 The root file system comes from mmdebstrap; the kernel and its modules from
 Debian's kernel package (fetched with apt on the host); the initramfs holds
-busybox and the few modules needed to mount the root disk. An image is named
-by the hash of its recipe and of the guest files shipped in it, so it is
-rebuilt exactly when one of them changes.
+busybox and the few modules needed to mount the root disk. The guest agent runs
+from a disk of its own that QEMU attaches read-only (the runtime disk, mounted
+at /usr/lib/rewind): the agent's files, a copy of the guest's Python with the
+libraries it loads, and its own dynamic loader. Agents remove and upgrade the
+guest's Python, pip and libc all the time; rewind's channel into the guest must
+keep starting whatever they do. An image is named by the hash of its recipe and
+of the guest files shipped in it, so it is rebuilt exactly when one of them
+changes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from rewind.errors import AlreadyExists, ImageError, InvalidArgument
 
 RECIPE: dict = {
-    "format": 2,
+    "format": 3,  # 3: the agent runs from the read-only runtime disk
     "suite": "bookworm",
     "variant": "minbase",
     "packages": [
@@ -38,14 +43,21 @@ RECIPE: dict = {
 
 _HERE = Path(__file__).parent
 _GUEST = _HERE.parent / "guest"
-# Files copied into the guest: source -> path in the guest.
-GUEST_FILES = {
-    _GUEST / "agent.py": "usr/lib/rewind/agent.py",
-    _GUEST / "protocol.py": "usr/lib/rewind/protocol.py",
-    _GUEST / "gittier.py": "usr/lib/rewind/gittier.py",
-    _GUEST / "sysinit.sh": "usr/lib/rewind/sysinit.sh",
-    _GUEST / "inittab": "etc/inittab",
+# Files copied into the guest: source -> path on the runtime disk, or on the root disk.
+RUNTIME_FILES = {
+    _GUEST / "agent.py": "agent.py",
+    _GUEST / "protocol.py": "protocol.py",
+    _GUEST / "gittier.py": "gittier.py",
+    _GUEST / "sysinit.sh": "sysinit.sh",
 }
+ROOT_FILES = {_GUEST / "inittab": "etc/inittab"}
+GUEST_FILES = [*RUNTIME_FILES, *ROOT_FILES]
+RUNTIME_MOUNT = "usr/lib/rewind"  # where the guest mounts the runtime disk
+PYTHON = "python3.11"
+# Parts of the guest's Python the agent never loads, left off the runtime disk.
+RUNTIME_SKIP = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
+                "config-3.11-x86_64-linux-gnu")
+LOADER = "ld-linux-x86-64.so.2"
 INITRAMFS_INIT = _HERE / "initramfs-init.sh"
 PROBE_INIT = _HERE / "probe-init.sh"
 
@@ -54,6 +66,7 @@ KERNEL_FILE = "vmlinuz"
 INITRD_FILE = "initrd.img"
 PROBE_INITRD_FILE = "probe-initrd.img"
 DISK_FILE = "rootfs.qcow2"
+RUNTIME_FILE = "runtime.img"
 MANIFEST_FILE = "image.json"
 
 
@@ -85,6 +98,12 @@ class Image:
     @property
     def disk(self) -> Path:
         return self.path / DISK_FILE
+
+    @property
+    def runtime_disk(self) -> Path | None:
+        """The agent's read-only disk; None for an imported image (its agent runs its own way)."""
+        path = self.path / RUNTIME_FILE
+        return path if path.is_file() else None
 
     @property
     def probe_initrd(self) -> Path:
@@ -131,8 +150,11 @@ def list_images(images_dir: Path) -> list[Image]:
     return found
 
 
-def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: Path) -> Image:
-    """Add an image of the user's own: a kernel, an initramfs and a root disk (raw or qcow2).
+def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: Path,
+                 runtime_disk: Path | None = None) -> Image:
+    """Add an image of the user's own: a kernel, an initramfs, a root disk (raw or qcow2) and,
+    if given, a raw disk attached read-only as /dev/vdb (the default image keeps its agent's
+    runtime there).
 
     The guest must mount /dev/vda as root and run rewind's agent (guest/agent.py) as root
     on the virtio-serial ports named rewind.agent.N, as the default image does.
@@ -142,14 +164,17 @@ def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: 
     final = images_dir / name
     if final.exists():
         raise AlreadyExists(f"an image named {name!r} already exists")
-    for what, f in (("kernel", kernel), ("initramfs", initrd), ("disk", disk)):
-        if not Path(f).is_file():
+    given = (("kernel", kernel), ("initramfs", initrd), ("disk", disk), ("runtime disk", runtime_disk))
+    for what, f in given:
+        if f is not None and not Path(f).is_file():
             raise InvalidArgument(f"{what} {f} is not a file")
     images_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=images_dir))
     try:
         shutil.copy(kernel, staging / KERNEL_FILE)
         shutil.copy(initrd, staging / INITRD_FILE)
+        if runtime_disk is not None:
+            shutil.copy(runtime_disk, staging / RUNTIME_FILE)
         _run(["qemu-img", "convert", "-O", "qcow2", str(disk), str(staging / DISK_FILE)],
              f"reading the disk {disk}")
         info = json.loads(_run(["qemu-img", "info", "--output=json", str(staging / DISK_FILE)],
@@ -221,12 +246,10 @@ def _build_into(out: Path, image_id: str, report: Report) -> str:
     shutil.copytree(kernel_dir / "lib/modules" / kernel_version, modules_dst, symlinks=True)
     _run(["depmod", "-b", str(root), kernel_version], "depmod")
 
-    report("installing the guest agent")
-    for src, dst in GUEST_FILES.items():
-        target = root / dst
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src, target)
-        target.chmod(0o755 if src.suffix in (".sh", ".py") else 0o644)
+    report("installing the guest agent and its runtime")
+    _copy_files(ROOT_FILES, root)
+    (root / RUNTIME_MOUNT).mkdir(parents=True, exist_ok=True)
+    _make_runtime_disk(root, work / "runtime", out / RUNTIME_FILE)
     (root / "etc/hostname").write_text("rewind\n")
     (root / "etc/resolv.conf").unlink(missing_ok=True)
     (root / "etc/resolv.conf").write_text("nameserver 10.0.2.3\n")
@@ -247,6 +270,53 @@ def _build_into(out: Path, image_id: str, report: Report) -> str:
          "qemu-img convert")
     shutil.rmtree(work)
     return kernel_version
+
+
+def _copy_files(files: dict[Path, str], dest: Path) -> None:
+    for src, rel in files.items():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, target)
+        target.chmod(0o755 if src.suffix in (".sh", ".py") else 0o644)
+
+
+def _make_runtime_disk(root: Path, staging: Path, out: Path) -> None:
+    """The runtime disk: the agent's files; bin/python3, the guest's interpreter, with its
+    standard library (lib/python3.11) and packages (lib/python3/dist-packages, dulwich for the
+    git tier), found there from the interpreter's own path; and in lib/ every shared library
+    they load and the loader that runs them (inittab starts the agent through it)."""
+    _copy_files(RUNTIME_FILES, staging)
+    lib = staging / "lib"
+    (staging / "bin").mkdir()
+    shutil.copy(root / "usr/bin" / PYTHON, staging / "bin/python3")
+    shutil.copytree(root / "usr/lib" / PYTHON, lib / PYTHON, symlinks=True,
+                    ignore=lambda _dir, names: [n for n in names if n in RUNTIME_SKIP])
+    shutil.copytree(root / "usr/lib/python3/dist-packages", lib / "python3/dist-packages", symlinks=True)
+    system_libs = root / "usr/lib/x86_64-linux-gnu"
+    for name in _shared_libraries(system_libs, [staging / "bin/python3", *lib.rglob("*.so")]):
+        shutil.copy(system_libs / name, lib / name)  # follows the soname's symlink
+    python = [str(lib / LOADER), "--library-path", str(lib), str(staging / "bin/python3"), "-I"]
+    # Compiled now, and never checked against the sources: the disk is read-only in the guest.
+    _run([*python, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
+          "-s", str(staging), "-p", f"/{RUNTIME_MOUNT}", str(staging)], "compiling the agent's Python")
+    entries = list(staging.rglob("*"))
+    blocks = sum(-(-p.lstat().st_size // 4096) + 1 for p in entries)  # a block each at least
+    _run(["mkfs.ext4", "-q", "-F", "-L", "rewind-runtime", "-O", "^has_journal", "-E", "root_owner=0:0",
+          "-b", "4096", "-N", str(len(entries) + 1024), "-d", str(staging), str(out),
+          f"{blocks * 5 // 4 // 256 + 16}M"], "mkfs.ext4 (runtime disk)")
+
+
+def _shared_libraries(system_libs: Path, elves: list[Path]) -> set[str]:
+    """The sonames `elves` load, found among the guest's libraries by its own loader, and it."""
+    found = {LOADER}
+    for elf in elves:
+        listing = _run([str(system_libs / LOADER), "--library-path", str(system_libs), "--list", str(elf)],
+                       f"listing the libraries of {elf.name}")
+        for line in listing.splitlines():
+            name, arrow, where = line.strip().partition(" => ")
+            if arrow and where.startswith(str(system_libs)):
+                found.add(Path(name).name)  # the loader is listed by its absolute path
+    return found
 
 
 def _fetch_kernel(work: Path, dest: Path) -> str:

@@ -13,6 +13,13 @@ if ! mount -t ext4 -o rw,noatime /dev/vda /newroot; then
     echo "rewind-initramfs: cannot mount the root disk /dev/vda" >&2
     poweroff -f
 fi
+# The runtime disk (the agent and its own Python, see build.py), read-only as QEMU attaches it.
+i=0
+while [ ! -b /dev/vdb ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i + 1)); done
+if ! mount -t ext4 -o ro /dev/vdb /newroot/usr/lib/rewind; then
+    echo "rewind-initramfs: cannot mount the runtime disk /dev/vdb" >&2
+    poweroff -f
+fi
 umount /proc
 mount --move /dev /newroot/dev
 exec switch_root /newroot /bin/busybox init
