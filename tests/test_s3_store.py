@@ -149,7 +149,9 @@ def test_commits_in_one_home_and_gc_in_another_lose_nothing(url: str, tmp_path: 
     def home_a() -> None:
         try:
             for i in range(4):
-                point = _commit(a, _blob(pool, [i % 6, (i + 1) % 6]))
+                # A chunk of its own too: gc has something to remove whatever B has committed
+                # by then (B's points may already use every chunk of the pool).
+                point = _commit(a, _blob(pool, [i % 6, (i + 1) % 6]) + os.urandom(CHUNK))
                 a.delete(point)
                 collected.append(a.gc())
         except BaseException as e:
