@@ -14,13 +14,13 @@ import logging
 import os
 import platform
 import subprocess
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rewind.engine.qemu import QEMU_BINARY
 from rewind.errors import InvalidArgument
 from rewind.image import Image
+from rewind.store.durable import replace_durably
 
 log = logging.getLogger("rewind")
 PROBE_MARKER = b"REWIND-PROBE-OK"
@@ -62,9 +62,7 @@ def choose_accel(cache_dir: Path, image: Image | None) -> AccelChoice:
     if accel == "tcg":
         log.warning("using TCG (software emulation, slower): %s", reason)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as f:
-        json.dump({"host": key, **asdict(AccelChoice(accel, reason, "probe"))}, f)
-    os.replace(f.name, cache)
+    replace_durably(cache, json.dumps({"host": key, **asdict(AccelChoice(accel, reason, "probe"))}).encode())
     return AccelChoice(accel, reason, "probe")
 
 

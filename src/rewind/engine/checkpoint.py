@@ -29,7 +29,7 @@ import blake3
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.snapshot import SavedState
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
-from rewind.store.durable import fsync_file
+from rewind.store.durable import fsync_file, replace_durably
 
 # Memory is cut finer than disks: a guest changes scattered pages, and between two points
 # 1 MiB of file changes apart here 3.2 MiB of pages differed, which touched 31 MiB of
@@ -72,9 +72,7 @@ def put_immutable(store: Store, caches: Caches, path: Path, chunk_size: int | No
     blob = store.put_blob(path, chunk_size=chunk_size)
     fsync_file(path)  # the cache below trusts it whole: QEMU wrote it without syncing
     key.parent.mkdir(parents=True, exist_ok=True)
-    tmp = key.with_name(f".{key.name}.{secrets.token_hex(4)}")
-    tmp.write_text(json.dumps(blob.to_json()))
-    os.replace(tmp, key)
+    replace_durably(key, json.dumps(blob.to_json()).encode())
     if cache_name is not None:
         _link_into(path, cache_name(blob))
     return blob

@@ -18,8 +18,6 @@ import bisect
 import contextlib
 import fnmatch
 import marshal
-import os
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ import blake3
 
 from rewind.engine.ext4view import ROOT_INO, Ext4View, FileStat
 from rewind.engine.qcow2 import Chain, LayerId
+from rewind.store.durable import replace_durably
 
 # Paths a machine changes by itself, or that rewind changes (a copy's identity): shown only
 # with `all`. /var/lib/dpkg: the packages part of a diff says what changed there.
@@ -279,9 +278,7 @@ class Disk:
         home's points are kept (each is some 0.4 MiB)."""
         dest = self._key(n)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
-        tmp.write_bytes(index.dump())
-        os.replace(tmp, dest)
+        replace_durably(dest, index.dump())
         _remember(dest, index)
         if dest.parent == self.cache.own:
             _trim(dest.parent, KEEP_INDEXES)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import importlib
 import json
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rewind.engine.unixsock import connect_unix
+from rewind.store.locks import acquire
 
 SOCKET = "spawner.sock"
 LOCK = "spawner.lock"
@@ -179,10 +179,8 @@ def _start(runtime: Path) -> subprocess.Popen:
 def main() -> None:
     runtime = Path(sys.argv[1])
     code_version()  # of the code it loads now, whatever changes later
-    lock = os.open(runtime / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    lock = acquire(runtime / LOCK, exclusive=True, timeout=0)  # held until this process ends
+    if lock is None:
         return  # another one serves this home
     for module, _, _ in TARGETS.values():
         importlib.import_module(module)  # the point of this process: imported once

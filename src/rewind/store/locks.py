@@ -24,7 +24,7 @@ from rewind.store.errors import StoreBusy
 @contextmanager
 def store_lock(locks: Path, *, exclusive: bool, operation: str, timeout: float) -> Iterator[None]:
     """Hold the store lock for `operation`; raise StoreBusy naming the holders after `timeout` s."""
-    fd = _wait(locks / "store.lock", exclusive, timeout)
+    fd = acquire(locks / "store.lock", exclusive=exclusive, timeout=timeout)
     if fd is None:
         holders = ", ".join(live_holders(locks)) or "another process"
         raise StoreBusy(f"the store at {locks.parent} is busy: {holders} holds it "
@@ -39,7 +39,7 @@ def store_lock(locks: Path, *, exclusive: bool, operation: str, timeout: float) 
 @contextmanager
 def names_lock(locks: Path, timeout: float) -> Iterator[None]:
     """Held around 'is this name free? then take it', so two commits cannot take one name."""
-    fd = _wait(locks / "names.lock", True, timeout)
+    fd = acquire(locks / "names.lock", exclusive=True, timeout=timeout)
     if fd is None:
         raise StoreBusy(f"the store at {locks.parent} is busy: another process is naming a checkpoint "
                         f"(waited {timeout:g} s)")
@@ -53,7 +53,7 @@ def names_lock(locks: Path, timeout: float) -> Iterator[None]:
 def held_file(path: Path, timeout: float) -> Iterator[bool]:
     """Hold an exclusive flock on `path` if it comes free within `timeout` s; yields whether
     it did (a caller that finds someone else at the work may leave it to them)."""
-    fd = _wait(path, True, timeout)
+    fd = acquire(path, exclusive=True, timeout=timeout)
     try:
         yield fd is not None
     finally:
@@ -87,8 +87,9 @@ def live_holders(locks: Path) -> list[str]:
     return out
 
 
-def _wait(path: Path, exclusive: bool, timeout: float) -> int | None:
-    """An fd holding a flock on `path`, or None if it was not free within `timeout` s."""
+def acquire(path: Path, *, exclusive: bool, timeout: float) -> int | None:
+    """An fd holding a flock on `path` (created 0600), or None if it was not free within
+    `timeout` s (0: one try). rewind's one way to take a file lock; the engine's locks too."""
     deadline = time.monotonic() + timeout
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     while True:
