@@ -18,6 +18,7 @@ from test_checkpoints import ASK, SERVER
 from rewind import Home, Sandbox
 from rewind.engine import pending, prefault, ramcache
 from rewind.engine.machine import Engine, Machine
+from rewind.errors import NotFound
 from rewind.store import Store
 
 # 16 MiB in the guest's memory (a file on its tmpfs), every byte known from a seed.
@@ -111,6 +112,27 @@ def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.M
     assert sbx.files.read_text("/root/f") == "one"
 
 
+def test_a_restore_whose_point_cannot_run_leaves_the_machine_as_it_was(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore stops the guest and captures the state it leaves before it waits for a
+    point not yet stored. If that point cannot run after all (its memory image is gone), the
+    error is said and the machine runs on from the state it was in, that capture its parent."""
+    monkeypatch.setattr(pending, "start_committer", lambda *_: None)
+    sbx = Sandbox.create("survivor", home=home)
+    sbx.files.write("/root/f", "one")
+    one = sbx.checkpoint()
+    sbx.files.write("/root/f", "two")
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    (home.runtime / "ram" / f"{one.id}.ram").unlink()
+    with pytest.raises(NotFound, match=rf"from checkpoint {one.id[:12]}: its file .*\.ram is gone"):
+        sbx.restore(one)
+    assert sbx.files.read_text("/root/f") == "two"
+    assert sbx.exec("pgrep -x sleep").exit_code == 0  # its processes too: the state it was in
+    left = sbx._machine.record.parent
+    assert left not in (None, one.id)
+    assert sbx.history()[0].id == left  # `one` itself is reported lost: its image is gone
+
+
 def _image_mib(home: Home) -> float:
     return ramcache.usage(home.runtime / "ram").bytes / (1 << 20)
 
@@ -185,7 +207,8 @@ def test_a_restored_machine_is_ready_for_its_next_checkpoint(home: Home, monkeyp
         def refused(pid: int, _memory_mib: int) -> None:
             raise PermissionError(1, f"cannot read the memory of process {pid}")
         monkeypatch.setattr(prefault, "fault_in_guest_ram", refused)
-        monkeypatch.setattr(Machine, "warm", lambda self: None)  # the background one would not see the patch
+        # The background warmer would not see the patch.
+        monkeypatch.setattr(Machine, "warm", lambda self, delay=0.0: None)
     sbx = Sandbox.create("warm", home=home)
     sbx.files.write("/root/server.py", SERVER)
     sbx.exec("nohup python3 /root/server.py >/dev/null 2>&1 &")

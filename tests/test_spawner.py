@@ -56,7 +56,7 @@ def runtime(tmp_path: Path) -> Iterator[Path]:
 
 def _warm(wait: bool = True) -> spawner.Request:
     # A warmer whose monitor socket does not exist ends at once, with status 0.
-    return spawner.Request("warm", ["/nonexistent/qmp.sock", "/nonexistent", "1", "512", ""], wait=wait)
+    return spawner.Request("warm", ["/nonexistent/qmp.sock", "/nonexistent", "1", "512", "", "0"], wait=wait)
 
 
 def test_children_are_forked_by_one_spawner_per_home(runtime: Path) -> None:

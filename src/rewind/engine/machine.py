@@ -361,6 +361,10 @@ class Machine:
         """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
         device state loaded, its disk layers below a new top layer of this machine's;
         then give the guest this machine's identity."""
+        missing = next((f for f in (state.ram, state.devstate, *state.disks) if not os.path.exists(f)), None)
+        if missing is not None:  # said before QEMU fails on it less clearly
+            what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
+            raise NotFound(f"machine {self.name!r} cannot run from {what}: its file {missing} is gone")
         self.record.disks = [str(d) for d in state.disks]
         self.record.disks.append(str(self.new_top()))
         self.record.ram, self.record.ram_point = str(state.ram), state.point
@@ -468,13 +472,14 @@ class Machine:
 
         return timeline.checkpoint(self, store, name, labels, history, live, start_first, held, context)
 
-    def warm(self) -> None:
+    def warm(self, delay: float = 0.0) -> None:
         """Prepare this machine's QEMU for its next checkpoint, in the background (see
-        snapshot.start_warming): for machines that will be checkpointed soon."""
+        snapshot.start_warming), starting `delay` s from now: for machines that will be
+        checkpointed soon."""
         from rewind.engine.snapshot import start_warming
 
         r = self.record
-        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib, r.ram)
+        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib, r.ram, delay)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""

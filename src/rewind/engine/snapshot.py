@@ -88,11 +88,8 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     # ready took 70 ms of a 172 ms checkpoint call, and 37 ms of 157 ms started here.
     splitter = _Splitter.start(ram_out, devstate_out) if live else None
     try:
-        # A capture whose requester died runs on inside QEMU; let it end first. (Never cancel a
-        # background snapshot: QEMU 7.2 can then leave guest memory write-protected and hang.)
-        if mon.cmd("query-migrate").get("status") in ("setup", "active"):
-            with contextlib.suppress(MonitorError):
-                mon.wait_migration(CAPTURE_TIMEOUT)
+        if live:  # a capture that stops the guest for good writes nothing yet: it need not wait
+            _finish_migration(mon)
         # The new top is attached by node, not by a backing file name written into it: layers
         # move between directories, and QEMU's name for an explicit chain outgrows qcow2's field.
         with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
@@ -130,11 +127,21 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
 def write_out(mon: Monitor, ram_out: Path, devstate_out: Path) -> None:
     """Start writing out the memory of a guest that capture(live=False) stopped for good, by
     a plain migration (faster than a background one); wait_written waits for it."""
+    _finish_migration(mon)  # an earlier point's capture may still be writing (see restore)
     splitter = _Splitter.start(ram_out, devstate_out)
     try:
         mon.cmd("migrate", uri=_prepare_migration(mon, splitter, background=False))
     finally:
         splitter.close()
+
+
+def _finish_migration(mon: Monitor) -> None:
+    """Let a capture still running inside QEMU end first: one whose requester died, or a
+    restored point's, whose guest a restore stopped for good meanwhile. (Never cancel a
+    background snapshot: QEMU 7.2 can then leave guest memory write-protected and hang.)"""
+    if mon.cmd("query-migrate").get("status") in ("setup", "active"):
+        with contextlib.suppress(MonitorError):
+            mon.wait_migration(CAPTURE_TIMEOUT)
 
 
 def write_out_started(ram_out: Path, devstate_out: Path) -> bool:
@@ -215,21 +222,25 @@ def _reads(path: Path) -> str | None:
 
 
 def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memory_mib: int,
-                  ram_file: str | None) -> None:
+                  ram_file: str | None, delay: float = 0.0) -> None:
     """populate() a machine's new QEMU in a detached process now (with its second monitor, for
     when QEMU must read its memory itself), so that its first checkpoint does not pay for it
     (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first waits
     for it to finish. At the lowest priority: at full speed it delayed the restored guest's
-    first command by 0.1-0.3 s. Forked by the home's spawner where it answers."""
-    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib), ram_file or ""]
+    first command by 0.1-0.3 s; at the lowest, still by 0.1-0.15 s in the loop (0.24-0.33 s
+    against 0.14-0.2 s without a warmer), hence the `delay` a restore asks for. Forked by the
+    home's spawner where it answers."""
+    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib), ram_file or "",
+            str(delay)]
     if spawner.spawn(runtime, spawner.Request("warm", args, nice=19)) is None:
         start_detached(["nice", "-n", "19", sys.executable, "-m", "rewind.engine.snapshot", *args])
 
 
 def warm_main() -> None:
-    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB RAM_FILE`.
-    It leaves a machine cold where tmpfs could not also take its first checkpoint's image."""
-    sock, state_dir, pid, memory_mib, ram_file = sys.argv[1:6]
+    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB RAM_FILE
+    DELAY`. It leaves a machine cold where tmpfs could not also take its first checkpoint's image."""
+    sock, state_dir, pid, memory_mib, ram_file, delay = sys.argv[1:7]
+    time.sleep(float(delay))  # not holding the lock: a checkpoint meanwhile populates itself
     need = populate_need(Path(state_dir), int(pid), ram_file or None)
     if need and not ramcache.fits(Path(ram_file).parent, need + (int(memory_mib) << 20)):
         return
