@@ -194,10 +194,16 @@ def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -
     for but joined: it runs at the lowest priority, and on a busy host a checkpoint waiting on
     it took 0.8-0.9 s where reading the rest at full speed takes 0.2 s; pages it has already
     mapped cost little the second time."""
-    marker = _populated_marker(state_dir)
-    if _reads(marker) != str(pid):
+    if _reads(_populated_marker(state_dir)) != str(pid):
         populate(mon, pid, memory_mib)
-        marker.write_text(str(pid))
+        mark_populated(state_dir, pid)
+
+
+def mark_populated(state_dir: Path, pid: int) -> None:
+    """Say that QEMU `pid` has all guest memory mapped: populated, or just migrated whole (a
+    held capture reads every page), so that a warmer after it has nothing to do (in the loop,
+    a restored machine's warmer landed on the try that had already read its memory)."""
+    _populated_marker(state_dir).write_text(str(pid))
 
 
 def populate_need(state_dir: Path, pid: int, ram_file: str | None) -> int:

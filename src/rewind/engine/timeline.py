@@ -33,7 +33,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
-from rewind.engine.snapshot import capture, ensure_populated, populate_need
+from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
@@ -176,6 +176,8 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
                       new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                       ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
                       held=held)
+        if held:
+            mark_populated(machine.disk_dir, r.pid)
         changed, mapped = _ram_changed(r)
         monitor = None
         if not live:
