@@ -233,7 +233,9 @@ class Machine:
         status = self.status()
         if status == "dead":
             raise MachineDied(f"machine {self.name!r} is dead: its QEMU exited unexpectedly "
-                              f"(see {self.path / 'console.log'}); `rewind rm {self.name}` removes it")
+                              f"(see {self.path / 'console.log'}); `rewind start {self.name}` boots it "
+                              f"again from its disk, `rewind restore {self.name} REF` runs it from a "
+                              f"checkpoint, `rewind rm {self.name}` removes it")
         if status != "running":
             raise MachineNotRunning(f"machine {self.name!r} is {status}; start it with "
                                     f"`rewind start {self.name}`")

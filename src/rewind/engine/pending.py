@@ -91,7 +91,15 @@ class PendingCheckpoint:
 
     def wait_written(self) -> SplitResult:
         """Wait until QEMU has written the memory out; StreamError if it failed."""
-        return wait_written(Path(self.done))
+        return wait_written(Path(self.done), check=self.check_not_gone)
+
+    def check_not_gone(self) -> None:
+        """StreamError if its memory image was taken away before it was all written: a live
+        capture's is made before its journal, so only a host restart (tmpfs emptied) takes it,
+        and its writer is gone with it: nothing will ever finish it."""
+        if self.monitor is None and not os.path.exists(self.ram):
+            raise StreamError(f"the memory image of checkpoint {self.id[:12]} is gone before it was "
+                              "all written (was the host restarted?)")
 
 
 @dataclass(frozen=True)
@@ -272,6 +280,7 @@ def wait_captured(home: Home, point: PendingCheckpoint) -> SavedState | None:
     while not Path(point.done).exists():
         if not journal.exists():
             return None
+        point.check_not_gone()
         if time.monotonic() > deadline:
             raise StreamError(f"the memory of checkpoint {point.id[:12]} was not written within "
                               f"{CAPTURE_TIMEOUT:.0f} s")

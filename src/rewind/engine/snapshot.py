@@ -27,6 +27,7 @@ import os
 import select
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,10 +309,13 @@ class _Splitter:
                 os.close(fd)
 
 
-def wait_written(done: Path, timeout: float = CAPTURE_TIMEOUT) -> SplitResult:
-    """Wait until a capture's memory is all written; StreamError if that failed."""
+def wait_written(done: Path, timeout: float = CAPTURE_TIMEOUT,
+                 check: Callable[[], None] = lambda: None) -> SplitResult:
+    """Wait until a capture's memory is all written; StreamError if that failed. `check`
+    raises if it never will be."""
     deadline = time.monotonic() + timeout
     while not done.exists():
+        check()
         if time.monotonic() > deadline:
             raise StreamError(f"the memory stream was not written within {timeout:.0f} s")
         time.sleep(0.005)
