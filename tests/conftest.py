@@ -33,7 +33,7 @@ def images_dir() -> Path:
     return path
 
 
-def _cleanup(home: Home) -> None:
+def cleanup_home(home: Home) -> None:
     engine = Engine(home)
     for machine in engine.list():
         pid, tag = machine.record.pid, machine.record.uuid
@@ -51,14 +51,14 @@ def home(tmp_path: Path, images_dir: Path, monkeypatch: pytest.MonkeyPatch) -> I
     monkeypatch.setenv("REWIND_HOME", str(h.root))
     monkeypatch.setenv("REWIND_IMAGES", str(images_dir))
     yield h
-    _cleanup(h)
+    cleanup_home(h)
 
 
 @pytest.fixture(scope="module")
 def shared_home(tmp_path_factory: pytest.TempPathFactory, images_dir: Path) -> Iterator[Home]:
     h = Home(root=tmp_path_factory.mktemp("shared") / "home", images=images_dir)
     yield h
-    _cleanup(h)
+    cleanup_home(h)
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,29 @@ def rewind_cli(*args: str, env: dict[str, str] | None = None, input: bytes | Non
     """Run the installed `rewind` command as a user would."""
     return subprocess.run([sys.executable, "-m", "rewind.cli", *args], capture_output=True, input=input,
                           env={**os.environ, **(env or {})}, timeout=timeout, check=False)
+
+
+def processes_using(paths: list[Path]) -> list[int]:
+    """The PIDs of processes with a file open or mapped under `paths` (QEMU, its network
+    filter, the home's spawner...): those this test's machine started, found one by one."""
+    roots = tuple(str(p) + "/" for p in paths)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            targets += [line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
+                        if len(line.split(maxsplit=5)) == 6]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if any(t.startswith(roots) for t in targets):
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -9,10 +9,9 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from conftest import rewind_cli
+from conftest import alive, processes_using, rewind_cli
 
 from rewind import Home, Sandbox
 from rewind.engine import pending
@@ -20,44 +19,18 @@ from rewind.engine import pending
 VERB_LIMIT_S = 10.0
 
 
-def _processes_using(paths: list[Path]) -> list[int]:
-    """The PIDs of processes with a file open or mapped under `paths` (QEMU, its network
-    filter, the home's spawner...): those this test's machine started, found one by one."""
-    roots = tuple(str(p) + "/" for p in paths)
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-            targets += [line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
-                        if len(line.split(maxsplit=5)) == 6]
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if any(t.startswith(roots) for t in targets):
-            found.append(int(entry.name))
-    return found
-
-
 def _restart_host(home: Home) -> None:
     """End every process of the home with SIGKILL (as a power loss would) and empty tmpfs."""
-    pids = _processes_using([home.root, home.runtime])
+    pids = processes_using([home.root, home.runtime])
     assert pids, "no process of the home was found"
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids):
+    while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, "a process of the home outlived SIGKILL"
         time.sleep(0.01)
     shutil.rmtree(home.runtime)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _timed_cli(*args: str) -> tuple[str, str, int]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from rewind import crashpoints
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.store.model import DEFAULT_HISTORY
@@ -1051,6 +1052,7 @@ def _demo_steps(sbx: Sandbox) -> None:
 
 def main() -> None:
     logging.basicConfig(format="rewind: %(message)s", level=logging.WARNING)
+    crashpoints.arm("cli")
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

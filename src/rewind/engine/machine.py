@@ -36,6 +36,7 @@ from rewind.engine.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
     CONSOLE_SOCKET,
+    PID_FILE,
     QMP_SOCKET,
     QMP_WARM_SOCKET,
     VmSpec,
@@ -128,6 +129,19 @@ def _new_mac() -> str:
     return "52:54:00:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(3))
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """A restore under way: the machine's QEMU was stopped and captured as checkpoint `point`
+    (not yet written out, perhaps not yet journalled), and ends once that is done; the next
+    QEMU is not yet saved in the record. Left in a record only by a restore that died: see
+    timeline.finish_interrupted_restore."""
+
+    point: str
+    parent: str | None  # the machine's point before the capture
+    store: str  # the store the restore was given
+    layer: str  # the top layer that QEMU writes to since the capture
+
+
 @dataclass
 class MachineRecord:
     """What is persisted about a machine (machine.json)."""
@@ -153,12 +167,16 @@ class MachineRecord:
     ram: str | None = None  # the memory file its QEMU maps
     ram_point: str | None = None  # the checkpoint whose memory that file is (None: a template's)
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
+    handoff: Handoff | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> MachineRecord:
         """A record as saved; fields this version no longer keeps are ignored."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        if isinstance(record.handoff, dict):
+            record.handoff = Handoff(**record.handoff)
+        return record
 
 
 @dataclass(frozen=True)
@@ -274,6 +292,8 @@ class Machine:
     def agent(self, connect_timeout: float = 30.0) -> Iterator[AgentClient]:
         """A session with the guest agent, on the first free agent port."""
         what = f"machine {self.name!r}"
+        self.reload()
+        self._finish_interrupted_restore()
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
             self.reload()  # another handle may have restored it: a new QEMU
             self.check_alive()
@@ -412,6 +432,7 @@ class Machine:
 
     def start(self, report: Report = lambda _: None) -> None:
         """Start a stopped machine (cold boot from its disk)."""
+        self._finish_interrupted_restore()
         with self.locked():
             self.reload()
             if self.status() == "running":
@@ -422,6 +443,7 @@ class Machine:
 
     def stop(self) -> None:
         """Flush the guest's disk and end its QEMU. Files survive; processes do not."""
+        self._finish_interrupted_restore()
         self._settle_before_ending()
         with self.locked():
             self.reload()
@@ -449,9 +471,24 @@ class Machine:
         if not wait_exit(r.pid, r.uuid, 10):
             kill(r.pid, r.uuid)
 
+    def _finish_interrupted_restore(self) -> None:
+        from rewind.engine.timeline import finish_interrupted_restore
+
+        finish_interrupted_restore(self)
+
+    def end_stray_qemu(self) -> None:
+        """End a QEMU of this machine that its record does not name: one a command killed
+        between starting it and saving the record left (its PID file is the newest)."""
+        try:
+            pid = int((self.path / PID_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        if pid != self.record.pid:
+            kill(pid, self.record.uuid)
+
     def cleanup_runtime(self) -> None:
         netfilter.stop(self.path)
-        for name in (QMP_SOCKET, QMP_WARM_SOCKET, CONSOLE_SOCKET, "qemu.pid",
+        for name in (QMP_SOCKET, QMP_WARM_SOCKET, CONSOLE_SOCKET, PID_FILE,
                      *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 

@@ -27,9 +27,12 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
+from rewind import crashpoints
 from rewind.errors import RewindError
+from rewind.store.locks import acquire
 
 PAGE_SIZE = 4096
 # The stream comes through a pipe, not a socket: a background snapshot flushes after every
@@ -311,14 +314,25 @@ def main(argv: list[str]) -> int:
     background snapshot loses its reader mid-stream leaves guest memory write-protected and
     hangs for good. A requester that dies before QEMU has the write end leaves it no writer:
     the read ends at once. DONE is written last, atomically, with the result."""
+    crashpoints.arm("split")
     fd_in, ram_fd, block, devstate_out, done, ready = argv
     source = PipeSource(int(fd_in))
+    # The device state file is locked for as long as this process lives, from before it
+    # appears under its name: a waiter that finds it unlocked and no result written knows
+    # this process died (a kill, the OOM killer) and stops waiting (see splitter_ended).
+    try:
+        out_fd = acquire(Path(devstate_out + ".tmp"), exclusive=True, timeout=0)  # 0600, as the memory
+        if out_fd is None:
+            raise StreamError(f"another splitter is writing {devstate_out}")
+        os.ftruncate(out_fd, 0)
+        os.replace(devstate_out + ".tmp", devstate_out)
+    except (OSError, StreamError):
+        os.close(int(ready))  # with no byte sent: its requester says it ended as it started
+        return 1
     os.write(int(ready), b"r")
     os.close(int(ready))
     try:
-        # Only its owner may read a guest's device state, as its memory (0600).
-        out_fd = os.open(devstate_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(out_fd, "wb") as dst:
+        with open(out_fd, "wb", closefd=False) as dst:
             result: dict = split_stream(source, block, int(ram_fd), dst).__dict__
     except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process
         result = {"error": f"{type(e).__name__}: {e}"}
@@ -329,6 +343,7 @@ def main(argv: list[str]) -> int:
     with open(done + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(done + ".tmp", done)
+    os.close(out_fd)
     return 1 if "error" in result else 0
 
 

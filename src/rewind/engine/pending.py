@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rewind import crashpoints
 from rewind.engine import ramcache
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import SplitResult, StreamError
@@ -32,6 +33,7 @@ from rewind.engine.qmp import Monitor, MonitorError
 from rewind.engine.snapshot import (
     CAPTURE_TIMEOUT,
     SavedState,
+    splitter_ended,
     wait_written,
     write_out,
     write_out_started,
@@ -94,12 +96,15 @@ class PendingCheckpoint:
         return wait_written(Path(self.done), check=self.check_not_gone)
 
     def check_not_gone(self) -> None:
-        """StreamError if its memory image was taken away before it was all written: a live
-        capture's is made before its journal, so only a host restart (tmpfs emptied) takes it,
-        and its writer is gone with it: nothing will ever finish it."""
+        """StreamError if nothing will ever finish writing its memory: its image was taken away
+        (a live capture's is made before its journal, so only a host restart, tmpfs emptied,
+        takes it, and its writer with it), or its splitter died without a result."""
         if self.monitor is None and not os.path.exists(self.ram):
             raise StreamError(f"the memory image of checkpoint {self.id[:12]} is gone before it was "
                               "all written (was the host restarted?)")
+        if splitter_ended(Path(self.devstate)):
+            raise StreamError(f"the memory splitter of checkpoint {self.id[:12]} ended before it "
+                              "had written it all")
 
 
 @dataclass(frozen=True)
@@ -384,6 +389,7 @@ def _forget(path: Path, point: PendingCheckpoint) -> None:
 
 def main() -> None:
     """The committer, with sys.argv = [_, HOME_ROOT, IMAGES, JOURNAL] (see start_committer)."""
+    crashpoints.arm("commit")
     root, images, journal = sys.argv[1:4]
     with contextlib.suppress(OSError, ValueError):
         time.sleep(max(0.0, json.loads(Path(journal).read_text()).get("not_before", 0.0) - time.time()))

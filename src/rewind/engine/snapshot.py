@@ -37,6 +37,7 @@ from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
 from rewind.engine.qemu import QMP_WARM_SOCKET, guest_ram_ranges, start_detached
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.errors import Busy
+from rewind.store.locks import is_held
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
 CAPTURE_TIMEOUT = 300.0
@@ -143,6 +144,17 @@ def _finish_migration(mon: Monitor) -> None:
     if mon.cmd("query-migrate").get("status") in ("setup", "active"):
         with contextlib.suppress(MonitorError):
             mon.wait_migration(CAPTURE_TIMEOUT)
+
+
+def splitter_ended(devstate_out: Path) -> bool:
+    """True if the splitter of this capture ended without writing its result (killed): it
+    keeps its device state file locked while it runs (see migstream.main). False while none
+    was started yet."""
+    done = _done_file(devstate_out)
+    try:
+        return not done.exists() and not is_held(devstate_out) and not done.exists()
+    except FileNotFoundError:
+        return False
 
 
 def write_out_started(ram_out: Path, devstate_out: Path) -> bool:

@@ -29,9 +29,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from rewind import crashpoints
 from rewind.engine.unixsock import connect_unix
 from rewind.store.locks import acquire
 
@@ -64,6 +65,8 @@ class Request:
     nice: int = 0
     wait: bool = False
     code: str = ""  # the caller's code_version(): a spawner running other code must not serve it
+    # The caller's crashpoints.environment(): the child is armed as a fresh process would be.
+    crash: dict[str, str] = field(default_factory=dict)
     version: int = PROTOCOL
 
     @classmethod
@@ -77,11 +80,14 @@ class Request:
         args = data.get("args")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("bad request arguments")
-        cwd, nice = data.get("cwd", "/"), data.get("nice", 0)
+        cwd, nice, crash = data.get("cwd", "/"), data.get("nice", 0), data.get("crash", {})
         if not isinstance(cwd, str) or not isinstance(nice, int):
             raise ValueError("bad request cwd or nice")
+        if not isinstance(crash, dict) or set(crash) - set(crashpoints.environment()) or \
+                not all(isinstance(v, str) for v in crash.values()):
+            raise ValueError("bad request crash settings")
         return cls(target=data["target"], args=args, cwd=cwd, nice=nice, wait=data.get("wait") is True,
-                   code=data["code"])
+                   code=data["code"], crash=crash)
 
 
 class StaleSpawner(Exception):
@@ -148,7 +154,7 @@ def spawn(runtime: Path, request: Request, fds: tuple[int, ...] = ()) -> Spawned
                 if time.monotonic() > deadline or (starting.poll() not in (None, 0)):
                     return None
                 time.sleep(0.02)
-    request = replace(request, code=code_version())
+    request = replace(request, code=code_version(), crash=crashpoints.environment())
     try:
         conn.settimeout(10)
         socket.send_fds(conn, [json.dumps(asdict(request)).encode() + b"\n"], list(fds))
@@ -269,6 +275,7 @@ def _run_child(conn: socket.socket, request: Request) -> None:
         if not request.wait:
             conn.close()
         sys.argv = [request.target, *request.args]
+        os.environ.update(request.crash)
         # What the target forks (a filter's daemon half) must not hold this connection: the
         # caller reads it until this process reports.
         os.register_at_fork(after_in_child=conn.close)

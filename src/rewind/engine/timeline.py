@@ -17,6 +17,7 @@ point a running machine again. The whole flow reads top to bottom here:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -28,7 +29,7 @@ from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pe
 from rewind.engine.accel import ACCELS
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.locks import file_lock
-from rewind.engine.machine import validate_name
+from rewind.engine.machine import Handoff, validate_name
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
@@ -38,6 +39,8 @@ from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
 from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
+
+log = logging.getLogger("rewind")
 
 if TYPE_CHECKING:
     from rewind.engine.machine import Engine, Machine, MachineRecord
@@ -128,6 +131,7 @@ def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: 
         validate_checkpoint_name(name)
         if name in pending.pending_names(machine.engine.home) or _names_a_checkpoint(store, name):
             raise CheckpointExists(f"checkpoint name {name!r} is taken")
+    finish_interrupted_restore(machine)
     # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
     with machine.locked(shared=True):
         return _capture_locked(machine, store, name, labels, history, live, start_first, held, context)
@@ -179,18 +183,29 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         if held:
             mark_populated(machine.disk_dir, r.pid)
         changed, mapped = _ram_changed(r)
-        monitor = None
-        if not live:
-            # Its memory is written out later, by its committer, through the QMP socket
-            # moved aside: the path is its successor's from now on.
-            monitor = caches.devstate / f"{point_id}.qmp"
-            os.replace(machine.path / QMP_SOCKET, monitor)
         # The frozen layer leaves the machine's folder (QEMU keeps its open file): a branch
         # may run on it after this machine is gone. Its old name goes only once the record
         # names the new layers: a kill in between leaves the record true.
         frozen = caches.layers / f"{point_id}.qcow2"
         os.link(top, frozen)
         disks = [*r.disks[:-1], str(frozen)]
+
+        def advance(record: MachineRecord) -> None:
+            if live:
+                record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
+            else:  # the restore that stopped it for good must finish (see Handoff)
+                record.disks, record.parent = disks, point_id  # new_top is thrown away with its QEMU
+                record.handoff = Handoff(point=point_id, parent=r.parent, store=str(store.root),
+                                         layer=str(new_top))
+        monitor = None
+        if not live:
+            # The record says first that this QEMU is handed off: a kill from here on leaves
+            # that for the next command to finish (finish_interrupted_restore).
+            machine.update(advance)
+            # Its memory is written out later, by its committer, through the QMP socket
+            # moved aside: the path is its successor's from now on.
+            monitor = _handoff_monitor(caches, point_id)
+            os.replace(machine.path / QMP_SOCKET, monitor)
         point = PendingCheckpoint(
             id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
             parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
@@ -203,14 +218,17 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             ram_base_file=r.ram if mapped is not None and r.ram_point is None else None,
             ram_base_inode=mapped if r.ram_point is None else None)
         pending.record(home, point)
-
-        def advance(record: MachineRecord) -> None:
-            record.disks, record.parent = [*disks, str(new_top)], point_id  # QEMU writes to new_top now
-        machine.update(advance)
+        if live:
+            machine.update(advance)
         top.unlink()
     # The cache is trimmed by committers, off the caller's path: here it cost 0.12-0.27 s
     # per call once the cache was full (every QEMU's mappings are read to see what is in use).
     return point
+
+
+def _handoff_monitor(caches: Caches, point_id: str) -> Path:
+    """Where a restore moves its stopped QEMU's QMP socket for the point's committer."""
+    return caches.devstate / f"{point_id}.qmp"
 
 
 def _ram_changed(r: MachineRecord) -> tuple[list[list[int]] | None, int | None]:
@@ -258,6 +276,7 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
     name, identity and handle. The state it leaves is checkpointed first. A point not yet
     stored runs from its capture."""
     machine.reload()
+    finish_interrupted_restore(machine)
     if ref.startswith("~") and machine.record.parent is None:
         raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
     target = machine.engine.find_point(store, ref, machine.record.parent if ref.startswith("~") else None)
@@ -294,8 +313,50 @@ def _run_state(machine: Machine, point_id: str, state: SavedState) -> None:
     r = machine.record
     r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
     machine.start_from_state(state)
-    r.state, r.parent = "running", point_id
+    r.state, r.parent, r.handoff = "running", point_id, None
     machine.save()
+
+
+def finish_interrupted_restore(machine: Machine) -> None:
+    """If a restore of `machine` was killed between stopping its QEMU and saving the next one
+    (its record still holds a Handoff), finish it: the machine runs on from the state it was
+    captured in. If that capture never got its journal, the stopped QEMU simply goes on."""
+    if machine.record.handoff is None:
+        return
+    from rewind.store import Store
+
+    with machine.locked():  # waits for a restore still under way
+        machine.reload()
+        handoff = machine.record.handoff
+        if handoff is None:
+            return
+        machine.end_stray_qemu()  # a successor started but not yet recorded
+        try:
+            state = machine.engine.find_point(Store.open(Path(handoff.store)), handoff.point).state()
+        except NotFound:
+            _resume_handed_off(machine, handoff)
+            return
+        _run_state(machine, handoff.point, state)
+        machine.warm(delay=WARM_DELAY_AFTER_RESTORE)
+    log.warning("machine %s: a restore was interrupted; it runs on from the state it was in "
+                "(checkpoint %s)", machine.name, handoff.point[:12])
+
+
+def _resume_handed_off(machine: Machine, handoff: Handoff) -> None:
+    """The capture of an interrupted restore never got its journal: nothing will write it out
+    or end its QEMU, so that QEMU goes on where it stopped."""
+    home = machine.engine.home
+    monitor = _handoff_monitor(Caches.of(home.root, private_runtime(home.runtime)), handoff.point)
+    if monitor.exists():
+        os.replace(monitor, machine.path / QMP_SOCKET)
+
+    def undo(record: MachineRecord) -> None:
+        record.disks.append(handoff.layer)
+        record.parent, record.handoff = handoff.parent, None
+    machine.update(undo)
+    if machine.status() == "running":
+        with machine.monitor() as mon:
+            mon.cmd("cont")
 
 
 # ---- new machines from points ----

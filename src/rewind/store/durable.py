@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import secrets
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +35,7 @@ def write_tmp(tmp_dir: Path, data: bytes, sync: bool = True) -> Path:
         while view:
             view = view[os.write(fd, view):]
         if sync:
-            os.fsync(fd)
+            fsync_fd(fd, path)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -54,6 +55,7 @@ def sync_filesystem(path: Path) -> None:
     """Make every write to the file system holding `path` durable (syncfs): for many new files
     at once, such as a commit's chunks. 288 chunk files in 170 folders took 0.10 s this way,
     against 0.50-0.70 s with an fsync for each file and each folder."""
+    sys.audit("rewind.fsync", str(path))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if _libc.syncfs(fd) != 0:
@@ -63,11 +65,18 @@ def sync_filesystem(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_fd(fd: int, path: Path) -> None:
+    """fsync an open file, announced first as the audit event `rewind.fsync` (a durable step
+    of crashpoints.py, as are renames and unlinks)."""
+    sys.audit("rewind.fsync", str(path))
+    os.fsync(fd)
+
+
 def fsync_file(path: Path) -> None:
     """Make a file's data durable (one another process wrote, such as a disk layer of QEMU's)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        fsync_fd(fd, path)
     finally:
         os.close(fd)
 
@@ -76,7 +85,7 @@ def fsync_dir(path: Path) -> None:
     """Make the renames into a directory durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        fsync_fd(fd, path)
     finally:
         os.close(fd)
 

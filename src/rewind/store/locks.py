@@ -103,6 +103,19 @@ def acquire(path: Path, *, exclusive: bool, timeout: float) -> int | None:
             time.sleep(0.02)
 
 
+def is_held(path: Path) -> bool:
+    """True if a process holds a flock on `path` now (a probe: nothing is kept; FileNotFoundError
+    if there is no such file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def _note(locks: Path, exclusive: bool, operation: str) -> Iterator[None]:
     """Leave the holder's note while the body runs. It is written under a temporary name,

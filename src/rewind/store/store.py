@@ -48,7 +48,7 @@ from rewind.store.disk import (
     encode_chunk,
     worker_pool,
 )
-from rewind.store.durable import fsync_dir, os_errors, sync_filesystem, write_tmp
+from rewind.store.durable import fsync_dir, fsync_fd, os_errors, sync_filesystem, write_tmp
 from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
 from rewind.store.locks import live_holders, names_lock, store_lock
 from rewind.store.model import (
@@ -420,7 +420,7 @@ class Store:
                     list(pool.map(place, [(i, h) for i, h in enumerate(blob.chunks) if h]))
                 os.ftruncate(fd, blob.size)
                 if durable:
-                    os.fsync(fd)
+                    fsync_fd(fd, tmp)
             except BaseException:
                 os.close(fd)
                 tmp.unlink(missing_ok=True)

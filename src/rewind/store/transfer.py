@@ -27,7 +27,7 @@ from typing import BinaryIO
 import blake3
 
 from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk
-from rewind.store.durable import create_private, fsync_dir, os_errors, write_tmp
+from rewind.store.durable import create_private, fsync_dir, fsync_fd, os_errors, write_tmp
 from rewind.store.errors import BadExport, CorruptChunk
 from rewind.store.model import CheckpointManifest
 from rewind.store.store import Store
@@ -61,7 +61,7 @@ def export_checkpoint(store: Store, ref: str | CheckpointManifest, out_path: str
                     writer.write(stored)
                 f.write(writer.hasher.digest())
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_fd(f.fileno(), tmp)
             os.rename(tmp, out)
         except BaseException:
             tmp.unlink(missing_ok=True)

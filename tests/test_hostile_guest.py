@@ -1,0 +1,131 @@
+"""A hostile guest: root in it floods the network filter with DNS questions, and replaces
+rewind's own guest agent with one that answers the host's hello and then sends garbage,
+bogus frames and endless output. The host stays within its bounds (memory of the filter and
+of the rewind process, time of a call), says what went wrong, and `restore` takes the machine
+back. Raw packets at every host address are tests/test_network.py's."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from rewind import ExecResult, Home, RewindError, Sandbox
+from rewind.engine import netfilter
+from rewind.engine.agent import EXEC_DEADLINE_GRACE
+from rewind.engine.packetfilter import MAX_ATTEMPTS
+from rewind.guest.agent import PORT_PREFIX
+
+DNS_QUESTIONS = 20_000
+FILTER_GROWTH_LIMIT_MIB = 16
+HOST_GROWTH_LIMIT_MIB = 96  # an exec keeps at most 16 MiB per stream; the rest is the flood in flight
+
+# Runs on rewind's own Python in the guest, in the agent's place: it speaks just enough of the
+# protocol (guest/protocol.py) to be connected to, then floods the host.
+EVIL_AGENT = r'''
+import json, os, random, select, struct, time
+MAGIC = b"RWD\x01"
+def frame(header, payload=b""):
+    head = json.dumps(header).encode()
+    return struct.pack(">4sII", MAGIC, len(head), len(payload)) + head + payload
+ports = []
+for dev in sorted(os.listdir("/sys/class/virtio-ports")):
+    with open(f"/sys/class/virtio-ports/{dev}/name") as f:
+        if f.read().strip().startswith("PREFIX"):
+            ports.append(os.open("/dev/" + dev, os.O_RDWR | os.O_NONBLOCK))
+bufs = {fd: b"" for fd in ports}
+flooding = set()
+junk = [os.urandom(1 << 16), struct.pack(">4sII", MAGIC, 1 << 30, 1 << 30),
+        frame({"t": "out", "fd": 1}, b"x" * (1 << 20)), frame({"t": "exit", "code": "x" * 100}),
+        struct.pack(">4sII", MAGIC, 200000, 0) + b"[" * 200000, frame({"t": "pong", "id": "nope"})]
+while True:
+    select.select(ports, [], [], 0.01)
+    for fd in ports:
+        try:
+            bufs[fd] += os.read(fd, 1 << 16)
+        except OSError:
+            pass
+        while len(bufs[fd]) >= 12:
+            at = bufs[fd].find(MAGIC)
+            if at < 0:
+                bufs[fd] = b""
+                break
+            _, hlen, plen = struct.unpack_from(">4sII", bufs[fd], at)
+            if len(bufs[fd]) < at + 12 + hlen + plen:
+                break
+            header = json.loads(bufs[fd][at + 12 : at + 12 + hlen])
+            bufs[fd] = bufs[fd][at + 12 + hlen + plen :]
+            reply = {"hello": {"t": "hello", "nonce": header.get("nonce")},
+                     "ping": {"t": "pong", "id": header.get("id")}}.get(header.get("t"))
+            if reply is None:
+                flooding.add(fd)
+            else:
+                try:
+                    os.write(fd, frame(reply))
+                except OSError:
+                    pass
+        if fd in flooding:
+            try:
+                os.write(fd, random.choice(junk))
+            except OSError:
+                pass
+'''.replace("PREFIX", PORT_PREFIX)
+
+
+def _rss_kib(pid: int | str, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _filter_pid(sbx: Sandbox) -> int:
+    return int((sbx._machine.path / netfilter.PID_FILE).read_text().split()[0])
+
+
+def test_a_dns_flood_keeps_the_filter_within_its_bounds(home: Home) -> None:
+    sbx = Sandbox.create("dnsflood", home=home)
+    sbx.network.set(internet=False, allow=["192.0.2.0/24"])  # every name refused, and remembered
+    pid = _filter_pid(sbx)
+    before = _rss_kib(pid)
+    flood = (
+        "import random, socket, struct\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"for i in range({DNS_QUESTIONS}):\n"
+        "    name = b''.join(bytes([len(p)]) + p for p in (b'n%d' % i, b'flood', b'test')) + b'\\0'\n"
+        "    s.sendto(struct.pack('>HHHHHH', i & 0xffff, 0x100, 1, 0, 0, 0) + name + b'\\0\\1\\0\\1',"
+        " ('10.0.2.3', 53))\n")
+    sbx.files.write("/root/flood.py", flood)
+    assert sbx.exec("python3 /root/flood.py", timeout=300).exit_code == 0
+    assert sbx.exec("getent hosts n1.flood.test", timeout=30).exit_code != 0  # still answering, refused
+    grew = (_rss_kib(pid) - before) / 1024
+    assert grew < FILTER_GROWTH_LIMIT_MIB, f"the filter grew by {grew:.1f} MiB"
+    assert len(sbx._machine.network_attempts()) <= MAX_ATTEMPTS
+    assert _filter_pid(sbx) == pid and sbx.exec("true").exit_code == 0
+
+
+def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(home: Home) -> None:
+    sbx = Sandbox.create("hostile", home=home)
+    sbx.files.write("/root/f", "before")
+    before = sbx.checkpoint()
+    sbx.files.write("/root/evil.py", EVIL_AGENT)
+    # Bound over the agent on its read-only disk, then the agent ended (and this exec with
+    # it): init starts the hostile one in its place.
+    with contextlib.suppress(RewindError):
+        sbx.exec("mount --bind /root/evil.py /usr/lib/rewind/agent.py && pkill -f 'agent[.]py'", timeout=5)
+    host_peak = _rss_kib("self", "VmHWM")
+    for _ in range(3):
+        started = time.monotonic()
+        outcome: ExecResult | RewindError
+        try:
+            outcome = sbx.exec("true", timeout=1)
+        except RewindError as e:
+            outcome = e
+        took = time.monotonic() - started
+        assert took < 1 + EXEC_DEADLINE_GRACE + 15, f"an exec took {took:.0f} s"
+        assert isinstance(outcome, RewindError) or outcome.timed_out, outcome
+    grew = (_rss_kib("self", "VmHWM") - host_peak) / 1024
+    assert grew < HOST_GROWTH_LIMIT_MIB, f"the rewind process grew by {grew:.1f} MiB"
+    sbx.restore(before)  # the machine runs as it was before the swap
+    assert sbx.files.read_text("/root/f") == "before"
+    assert sbx.exec("true").exit_code == 0
