@@ -78,6 +78,8 @@ if TYPE_CHECKING:
 AGENT_RESTART_GRACE = 3.0
 LOCK_TIMEOUT = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
 RECORD = "machine.json"
+# Folders in machines/ that are no machine: one being deleted, one whose name a copy takes.
+DELETED_PREFIX, RETIRED_PREFIX = ".deleted-", ".retired-"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 Report = Callable[[str], None]
@@ -558,10 +560,19 @@ class Machine:
                     pass
                 if not wait_exit(self.record.pid, self.record.uuid, 5):
                     kill(self.record.pid, self.record.uuid)
+            self.end_stray_qemu()
             netfilter.stop(self.path)
-            shutil.rmtree(self.disk_dir, ignore_errors=True)
-            shutil.rmtree(self.path)
+            # Out of sight in one rename: a kill after it leaves a folder the next look at the
+            # machine list removes (finish_interrupted), never a record naming files gone.
+            deleted = self.path.parent / f"{DELETED_PREFIX}{self.record.uuid}"
+            os.rename(self.path, deleted)
+            _remove_deleted(deleted, self.disk_dir)
         _trim_images(self.engine.home)
+
+
+def _remove_deleted(folder: Path, disk_dir: Path) -> None:
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class Engine:
@@ -598,6 +609,7 @@ class Engine:
         return self.home.machines / validate_name(name)
 
     def get(self, name: str) -> Machine:
+        self.finish_interrupted()
         path = self._path(name)
         try:
             record = MachineRecord.from_json(json.loads((path / RECORD).read_text()))
@@ -607,7 +619,40 @@ class Engine:
             raise RewindError(f"machine {name!r} has a damaged record ({e}); remove {path}") from e
         return Machine(self, path, record)
 
+    def finish_interrupted(self) -> None:
+        """Finish what a killed command left in the machine list: a delete's folder (removed
+        with its disk layers), and a copy taking over a name (`replace`): finished if the
+        copy's record already bears the name, else undone."""
+        if not self.home.machines.is_dir():
+            return
+        leftovers = [p for p in self.home.machines.iterdir()
+                     if p.name.startswith((DELETED_PREFIX, RETIRED_PREFIX))]
+        if not leftovers:
+            return
+        with contextlib.suppress(Busy), file_lock(self.home.machines / ".lock", timeout=0, what="the list"):
+            for path in leftovers:
+                if path.name.startswith(DELETED_PREFIX):
+                    _remove_deleted(path, self.home.root / "disks" / path.name[len(DELETED_PREFIX):])
+                    continue
+                with contextlib.suppress(NotFound, FileNotFoundError, ValueError, TypeError):
+                    self._finish_replace(path)
+
+    def _finish_replace(self, retired: Path) -> None:
+        original = MachineRecord.from_json(json.loads((retired / RECORD).read_text()))
+        holder = self.home.machines / original.name
+        try:
+            successor = MachineRecord.from_json(json.loads((holder / RECORD).read_text()))
+        except FileNotFoundError:  # killed between the two renames
+            os.rename(retired, holder)
+            return
+        if successor.name != original.name:  # killed before the copy's record took the name
+            os.rename(holder, self.home.machines / validate_name(successor.name))
+            os.rename(retired, holder)
+            return
+        Machine(self, retired, original).delete()
+
     def list(self, labels: dict[str, str] | None = None) -> list[Machine]:
+        self.finish_interrupted()
         if not self.home.machines.is_dir():
             return []
         found = []
@@ -694,7 +739,7 @@ class Engine:
         network rules, and `original` is deleted. Both directories are swapped by rename, so
         at every moment one machine holds the name; on failure everything is put back. Disk
         layers live outside the directories (disk_dir), so QEMU's paths stay true."""
-        retired = self.home.machines / f".retired-{original.name}-{secrets.token_hex(4)}"
+        retired = self.home.machines / f"{RETIRED_PREFIX}{original.name}-{secrets.token_hex(4)}"
         name = original.name
         with file_lock(self.home.machines / ".lock", timeout=LOCK_TIMEOUT, what="the machine list"), \
                 file_lock(original.path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"), \
@@ -721,7 +766,8 @@ class Engine:
                 os.rename(retired, home_dir)
                 successor.path, successor.record = own_dir, before
                 raise
-        Machine(self, retired, original.record).delete()
+        with contextlib.suppress(NotFound, FileNotFoundError):  # another command finished it first
+            Machine(self, retired, original.record).delete()
         original.path, original.record = successor.path, successor.record
 
     @contextmanager

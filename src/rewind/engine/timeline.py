@@ -170,7 +170,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
     pending.ensure_room(home, (r.memory_mib << 20) + populating, f"a checkpoint of {machine.name!r}")
     guest = gueststate.flush(machine.path)  # its files on its disk, for diffs (see gueststate.py)
     with machine.monitor() as mon:
-        _reconcile_disks(machine, mon)
+        _reconcile_disks(machine, mon, caches.layers)
         r = machine.record
         top = Path(r.disks[-1])
         new_top = machine.new_top()
@@ -247,9 +247,10 @@ def _ram_changed(r: MachineRecord) -> tuple[list[list[int]] | None, int | None]:
     return [[first, last] for first, last in ranges], inode
 
 
-def _reconcile_disks(machine: Machine, mon: Monitor) -> None:
+def _reconcile_disks(machine: Machine, mon: Monitor, layers: Path) -> None:
     """If an interrupted checkpoint already gave the running QEMU a new top layer that the
-    record missed, adopt it (its old top is then a plain frozen layer)."""
+    record missed, adopt it. Its old top is then a frozen layer, and moves to `layers` as a
+    capture's does: copies made later share it, and it must outlive this machine's folder."""
     expected = disk_node(len(machine.record.disks) - 1)
     live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block")
                 if "inserted" in d and d["inserted"]["node-name"] != RUNTIME_NODE)
@@ -261,7 +262,14 @@ def _reconcile_disks(machine: Machine, mon: Monitor) -> None:
     name = node["image"]["filename"]
     if name.startswith("json:"):  # QEMU's name for a layer with an explicit backing node
         name = json.loads(name[len("json:"):])["file"]["filename"]
-    machine.update(lambda record: record.disks.append(name))
+    old_top = Path(machine.record.disks[-1])
+    frozen = layers / f"{new_checkpoint_id()}.qcow2"
+    os.link(old_top, frozen)
+
+    def adopt(record: MachineRecord) -> None:
+        record.disks[-1:] = [str(frozen), name]
+    machine.update(adopt)
+    old_top.unlink()
 
 
 # ---- restore ----
