@@ -16,7 +16,6 @@ point a running machine again. The whole flow reads top to bottom here:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -258,10 +257,7 @@ def _reconcile_disks(machine: Machine, mon: Monitor, layers: Path) -> None:
         return
     if live != disk_node(len(machine.record.disks)):
         raise RewindError(f"machine {machine.name!r}: its disk layers are not what rewind recorded")
-    node = next(n for n in mon.cmd("query-named-block-nodes", flat=True) if n["node-name"] == live)
-    name = node["image"]["filename"]
-    if name.startswith("json:"):  # QEMU's name for a layer with an explicit backing node
-        name = json.loads(name[len("json:"):])["file"]["filename"]
+    name = _protocol_file(mon, live)
     old_top = Path(machine.record.disks[-1])
     frozen = layers / f"{new_checkpoint_id()}.qcow2"
     os.link(old_top, frozen)
@@ -270,6 +266,17 @@ def _reconcile_disks(machine: Machine, mon: Monitor, layers: Path) -> None:
         record.disks[-1:] = [str(frozen), name]
     machine.update(adopt)
     old_top.unlink()
+
+
+def _protocol_file(mon: Monitor, node: str) -> str:
+    """The file under qcow2 node `node`, from its protocol child. (The qcow2 node's own name
+    is a "json:{...}" that QEMU cuts at 4 KiB on a long chain.)"""
+    graph = mon.cmd("x-debug-query-block-graph")
+    ids = {n["name"]: n["id"] for n in graph["nodes"] if n["type"] == "block-driver"}
+    child = next(e["child"] for e in graph["edges"] if e["parent"] == ids[node] and e["name"] == "file")
+    protocol = next(n["name"] for n in graph["nodes"] if n["id"] == child)
+    nodes = mon.cmd("query-named-block-nodes", flat=True)
+    return next(n["file"] for n in nodes if n["node-name"] == protocol)
 
 
 # ---- restore ----
