@@ -10,15 +10,19 @@ import contextlib
 import time
 from pathlib import Path
 
-from rewind import ExecResult, Home, RewindError, Sandbox
-from rewind.engine import netfilter
-from rewind.engine.agent import EXEC_DEADLINE_GRACE
+import pytest
+
+from rewind import Home, RewindError, Sandbox
+from rewind.engine import agent, netfilter
 from rewind.engine.packetfilter import MAX_ATTEMPTS
 from rewind.guest.agent import PORT_PREFIX
 
 DNS_QUESTIONS = 20_000
 FILTER_GROWTH_LIMIT_MIB = 16
-HOST_GROWTH_LIMIT_MIB = 96  # an exec keeps at most 16 MiB per stream; the rest is the flood in flight
+DEADLINE_GRACE_S = 3.0  # (30 s in use: a TCG guest on a busy host can be that slow to end a command)
+# An exec keeps at most 16 MiB of each stream, and its text: up to 4 bytes a character (a
+# hostile agent's bytes decode to the widest), so about 160 MiB at worst for one call.
+HOST_GROWTH_LIMIT_MIB = 192
 
 # Runs on rewind's own Python in the guest, in the agent's place: it speaks just enough of the
 # protocol (guest/protocol.py) to be connected to, then floods the host.
@@ -36,7 +40,7 @@ for dev in sorted(os.listdir("/sys/class/virtio-ports")):
 bufs = {fd: b"" for fd in ports}
 flooding = set()
 junk = [os.urandom(1 << 16), struct.pack(">4sII", MAGIC, 1 << 30, 1 << 30),
-        frame({"t": "out", "fd": 1}, b"x" * (1 << 20)), frame({"t": "exit", "code": "x" * 100}),
+        frame({"t": "out", "fd": 1}, b"x" * (1 << 20)), frame({"t": "out", "fd": 2}, b"y" * (1 << 20)),
         struct.pack(">4sII", MAGIC, 200000, 0) + b"[" * 200000, frame({"t": "pong", "id": "nope"})]
 while True:
     select.select(ports, [], [], 0.01)
@@ -104,7 +108,11 @@ def test_a_dns_flood_keeps_the_filter_within_its_bounds(home: Home) -> None:
     assert _filter_pid(sbx) == pid and sbx.exec("true").exit_code == 0
 
 
-def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(home: Home) -> None:
+def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It never ends a command and answers every ping: the host's own deadline ends the call,
+    with each stream cut at its cap."""
+    monkeypatch.setattr(agent, "EXEC_DEADLINE_GRACE", DEADLINE_GRACE_S)
     sbx = Sandbox.create("hostile", home=home)
     sbx.files.write("/root/f", "before")
     before = sbx.checkpoint()
@@ -114,17 +122,17 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(home: Ho
     with contextlib.suppress(RewindError):
         sbx.exec("mount --bind /root/evil.py /usr/lib/rewind/agent.py && pkill -f 'agent[.]py'", timeout=5)
     host_peak = _rss_kib("self", "VmHWM")
-    for _ in range(3):
+    for _ in range(2):
         started = time.monotonic()
-        outcome: ExecResult | RewindError
-        try:
-            outcome = sbx.exec("true", timeout=1)
-        except RewindError as e:
-            outcome = e
+        result = sbx.exec("true", timeout=1)
         took = time.monotonic() - started
-        assert took < 1 + EXEC_DEADLINE_GRACE + 15, f"an exec took {took:.0f} s"
-        assert isinstance(outcome, RewindError) or outcome.timed_out, outcome
+        assert took < 1 + DEADLINE_GRACE_S + 5, f"an exec took {took:.0f} s"
+        assert result.timed_out and result.stdout_truncated and result.stderr_truncated
+        # (Its frames arrive cut short and run into each other: only the cap is sure.)
+        assert max(len(result.stdout), len(result.stderr)) <= agent.DEFAULT_MAX_OUTPUT
+        del result
     grew = (_rss_kib("self", "VmHWM") - host_peak) / 1024
+    print(f"hostile agent: the caller's peak memory grew by {grew:.0f} MiB")
     assert grew < HOST_GROWTH_LIMIT_MIB, f"the rewind process grew by {grew:.1f} MiB"
     sbx.restore(before)  # the machine runs as it was before the swap
     assert sbx.files.read_text("/root/f") == "before"
