@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -228,8 +229,10 @@ def test_rule_matching() -> None:
 # Sent by root in the guest: hand-made frames straight onto eth0 (AF_PACKET), so neither the
 # guest's routing nor its TCP stack stands in the way. For each destination: a TCP SYN and a
 # UDP datagram; then it reports the TCP answer each destination gave ("rst", "synack", none).
+ICMP_MARK = b"rewind-raw-probe"
 RAW_PROBE = r"""
 import json, os, socket, struct, sys, time
+MARK = b"rewind-raw-probe"
 port, uport, targets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 def csum(data):
     data += b"\0" * (len(data) % 2)
@@ -242,10 +245,10 @@ gw = b"\x52\x55\x0a\x00\x02\x02"  # QEMU's user-mode network answers for every v
 for line in open("/proc/net/arp").read().splitlines()[1:]:
     f = line.split()
     if f[0] == "10.0.2.2" and f[3] != "00:00:00:00:00:00": gw = bytes.fromhex(f[3].replace(":", ""))
-def ipv4(dst, proto, payload):
+def ipv4(dst, proto, payload, to=None):
     head = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, 0, 64, proto, 0, me, dst)
     head = head[:10] + struct.pack("!H", csum(head)) + head[12:]
-    return gw + mac + b"\x08\x00" + head + payload
+    return (to or gw) + mac + b"\x08\x00" + head + payload
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
 s.bind(("eth0", 0))
 sports = {}
@@ -257,6 +260,11 @@ for i, t in enumerate(targets):
     s.send(ipv4(dst, 6, tcp))
     udp = struct.pack("!HHHH", sport, uport, 8 + 4, 0) + b"ping"
     s.send(ipv4(dst, 17, udp))
+    echo = struct.pack("!BBHHH", 8, 0, 0, sport, 1) + MARK
+    s.send(ipv4(dst, 1, echo[:2] + struct.pack("!H", csum(echo)) + echo[4:]))
+for dst in ("255.255.255.255", "10.0.2.255"):  # broadcasts, to every address on the link
+    udp = struct.pack("!HHHH", 40999, uport, 8 + 4, 0) + b"ping"
+    s.send(ipv4(socket.inet_aton(dst), 17, udp, b"\xff" * 6))
 answers, end = {}, time.time() + 3
 s.settimeout(0.2)
 while time.time() < end:
@@ -297,9 +305,11 @@ def raw_probe(sbx: Sandbox, tcp: Listener, udp: UdpListener, *targets: str) -> d
 
 def test_raw_packets_cannot_reach_the_host(home: Home) -> None:
     """Root in the guest, default rules (internet on): every address that leads to the host gets a reset,
-    and no service on the host, on loopback or on its own address, sees a connection or a datagram."""
+    and no service on the host, on loopback or on its own address, sees a connection, a datagram
+    (broadcasts included) or a ping."""
     own = host_address()
     tcp, udp = Listener("0.0.0.0"), UdpListener("0.0.0.0")  # every host address at once
+    icmp = IcmpWatcher()
     try:
         sbx = Sandbox.create("raw", home=home)
         sbx.exec(f"exec 3<>/dev/tcp/10.0.2.2/{tcp.port}", timeout=30)  # fills the ARP table
@@ -312,6 +322,7 @@ def test_raw_packets_cannot_reach_the_host(home: Home) -> None:
             reach = f"timeout 3 bash -c 'exec 3<>/dev/tcp/{v6}/{tcp.port}'"
             assert sbx.exec(reach, timeout=30).exit_code != 0
         assert tcp.accepted == 0 and udp.received() == 0
+        assert icmp.seen() == 0, "a guest's ping reached the host"
 
         # Only an explicit allow of the host's loopback opens the host; a broad range does not.
         sbx.network.set(internet=True, allow=["0.0.0.0/0"])
@@ -321,6 +332,23 @@ def test_raw_packets_cannot_reach_the_host(home: Home) -> None:
     finally:
         tcp.close()
         udp.sock.close()
+        icmp.sock.close()
+
+
+class IcmpWatcher:
+    """Every ICMP packet that reaches this host, loopback included (a raw socket gets a copy
+    of each): counts the probe's pings among them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+        self.sock.setblocking(False)
+
+    def seen(self) -> int:
+        count = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                count += ICMP_MARK in self.sock.recv(65535)
+        return count
 
 
 class Captured:
