@@ -16,11 +16,10 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-from conftest import cleanup_home, rewind_cli
+from conftest import rewind_cli
 from invariants import assert_home_whole, ok
 
 from rewind import Home
@@ -45,15 +44,6 @@ COMMANDS: dict[str, Command] = {
     "import": lambda rng, name, tmp: ["import", str(tmp / "s0.rwd")],
     "exec": lambda rng, name, tmp: ["exec", name, "--", "sh", "-c", "echo $$ > /root/e"],
 }
-
-
-@pytest.fixture
-def soak_home(tmp_path: Path, images_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Home]:
-    h = Home(root=tmp_path / "home", images=images_dir)
-    monkeypatch.setenv("REWIND_HOME", str(h.root))
-    monkeypatch.setenv("REWIND_IMAGES", str(images_dir))
-    yield h
-    cleanup_home(h)
 
 
 class Soak:
@@ -98,7 +88,7 @@ class Soak:
         return done
 
 
-def test_concurrent_commands_lose_nothing(soak_home: Home, tmp_path: Path) -> None:
+def test_concurrent_commands_lose_nothing(home: Home, tmp_path: Path) -> None:
     for name in MACHINES:
         ok("start", name)
         ok("checkpoint", name)
@@ -113,7 +103,7 @@ def test_concurrent_commands_lose_nothing(soak_home: Home, tmp_path: Path) -> No
     print(f"\nsoak: {DURATION_S:.0f} s, {sum(soak.ran.values())} commands: {dict(soak.ran)}; "
           f"refused: {dict(soak.refused)}")
     assert not soak.problems, soak.problems[:3]
-    assert_home_whole(soak_home, MACHINES, set())
+    assert_home_whole(home, MACHINES, set())
     for name in MACHINES:
         rules = json.loads(ok("network", name, "--json"))
         assert rules["internet"] == soak.internet[name], f"{name}: {rules}, last set {soak.internet[name]}"

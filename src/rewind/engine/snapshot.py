@@ -244,11 +244,11 @@ def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memor
                   ram_file: str | None, delay: float = 0.0) -> None:
     """populate() a machine's new QEMU in a detached process now (with its second monitor, for
     when QEMU must read its memory itself), so that its first checkpoint does not pay for it
-    (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first waits
-    for it to finish. At the lowest priority: at full speed it delayed the restored guest's
-    first command by 0.1-0.3 s; at the lowest, still by 0.1-0.15 s in the loop (0.24-0.33 s
-    against 0.14-0.2 s without a warmer), hence the `delay` a restore asks for. Forked by the
-    home's spawner where it answers."""
+    (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first does
+    not wait for it but reads the rest itself (ensure_populated). At the lowest priority: at
+    full speed it delayed the restored guest's first command by 0.1-0.3 s; at the lowest,
+    still by 0.1-0.15 s in the loop (0.24-0.33 s against 0.14-0.2 s without a warmer), hence
+    the `delay` a restore asks for. Forked by the home's spawner where it answers."""
     args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib), ram_file or "",
             str(delay)]
     if spawner.spawn(runtime, spawner.Request("warm", args, nice=19)) is None:
