@@ -117,7 +117,7 @@ def _crash(home: Home, verb: Verb, role: str, n: int, tmp: Path) -> bool:
         # The crash comes in a detached process: seen when it logs, or when its work is done.
         wait_until(lambda: log.exists() or not pending.journals(home), f"{verb.name} {role}:{n}")
     if not log.exists():  # it ran to its end, as it would have with no crash switch
-        assert done.returncode == verb.exit_code, done.stderr.decode()
+        assert done.returncode == verb.exit_code and b"rewind: error:" not in done.stderr, done.stderr
     elif role != "cli" and done.returncode != verb.exit_code:
         # A helper it waited on died (a splitter): the command fails, saying why in one line.
         said = done.stderr.decode()
