@@ -152,6 +152,7 @@ def splitter_ended(devstate_out: Path) -> bool:
     was started yet."""
     done = _done_file(devstate_out)
     try:
+        # Looked for again after the lock: a splitter may write its result and exit between.
         return not done.exists() and not is_held(devstate_out) and not done.exists()
     except FileNotFoundError:
         return False

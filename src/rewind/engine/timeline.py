@@ -130,6 +130,7 @@ def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: 
         validate_checkpoint_name(name)
         if name in pending.pending_names(machine.engine.home) or _names_a_checkpoint(store, name):
             raise CheckpointExists(f"checkpoint name {name!r} is taken")
+    machine.reload()  # a handle's record may predate a restore that another process left half done
     finish_interrupted_restore(machine)
     # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
     with machine.locked(shared=True):
