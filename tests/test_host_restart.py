@@ -17,6 +17,7 @@ from rewind import Home, Sandbox
 from rewind.engine import pending
 
 VERB_LIMIT_S = 10.0
+BOOT_LIMIT_S = 30.0  # a cold boot under TCG: 8-11 s (11.3 s on a busy CI host)
 
 
 def _restart_host(home: Home) -> None:
@@ -33,11 +34,11 @@ def _restart_host(home: Home) -> None:
     shutil.rmtree(home.runtime)
 
 
-def _timed_cli(*args: str) -> tuple[str, str, int]:
+def _timed_cli(*args: str, limit: float = VERB_LIMIT_S) -> tuple[str, str, int]:
     started = time.monotonic()
     done = rewind_cli(*args, timeout=60)
     took = time.monotonic() - started
-    assert took < VERB_LIMIT_S, f"`rewind {' '.join(args)}` took {took:.1f} s after the restart"
+    assert took < limit, f"`rewind {' '.join(args)}` took {took:.1f} s after the restart"
     assert b"Traceback" not in done.stderr, done.stderr
     return done.stdout.decode(), done.stderr.decode(), done.returncode
 
@@ -66,7 +67,7 @@ def test_after_a_host_restart_every_verb_answers_and_the_machine_boots_again(
     assert rc == 0 and "lost" not in err  # ...and not again
     out, err, rc = _timed_cli("exec", "rebooted", "--", "true")
     assert rc != 0 and "rewind start rebooted" in err.replace("`", "")
-    out, err, rc = _timed_cli("start", "rebooted")  # a cold boot from its disk
+    out, err, rc = _timed_cli("start", "rebooted", limit=BOOT_LIMIT_S)  # a cold boot from its disk
     assert rc == 0, err
     out, err, rc = _timed_cli("exec", "rebooted", "--", "cat", "/etc/hostname")
     assert rc == 0 and out == "rebooted\n"

@@ -122,11 +122,14 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
     with contextlib.suppress(RewindError):
         sbx.exec("mount --bind /root/evil.py /usr/lib/rewind/agent.py && pkill -f 'agent[.]py'", timeout=5)
     host_peak = _rss_kib("self", "VmHWM")
-    for _ in range(2):
+    for call in range(3):
         started = time.monotonic()
         result = sbx.exec("true", timeout=1)
         took = time.monotonic() - started
-        assert took < 1 + DEADLINE_GRACE_S + 5, f"an exec took {took:.0f} s"
+        # The first call also waits for init to start the hostile agent (Python on TCG: 11 s
+        # on a busy CI host); the next ones meet it running.
+        if call:
+            assert took < 1 + DEADLINE_GRACE_S + 5, f"an exec took {took:.0f} s"
         assert result.timed_out and result.stdout_truncated and result.stderr_truncated
         # (Its frames arrive cut short and run into each other: only the cap is sure.)
         assert max(len(result.stdout), len(result.stderr)) <= agent.DEFAULT_MAX_OUTPUT
