@@ -25,7 +25,7 @@ from invariants import assert_home_whole, ok
 from rewind import Home
 
 SOAK_ENV = "REWIND_SOAK_S"
-SUITE_S = 30.0
+SUITE_S = 12.0
 DURATION_S = float(os.environ.get(SOAK_ENV, SUITE_S))
 MACHINES = ["s0", "s1", "s2"]
 WORKERS = 3

@@ -4,13 +4,12 @@ to a checkpoint call. `scripts/bench-diff` runs this section alone (main)."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import Progress, timed
+from rewind.bench.ours import Progress, close_home, timed
 from rewind.engine import gueststate
 from rewind.guard.trial import try_in_copy
 from rewind.home import Home
@@ -95,8 +94,7 @@ def main(args: list[str]) -> None:
             diff_times(sbx, report, rounds, progress)
             try_cost(sbx, report, rounds, progress)
         finally:
-            sbx.delete()
-            shutil.rmtree(home.runtime, ignore_errors=True)
+            close_home(home)
     for m in report.metrics:
         samples = " ".join(f"{s:.3f}" for s in m.samples)
         print(f"{m.key:28} median {m.median:8.3f} {m.unit:3}  ({samples})  {m.what}")

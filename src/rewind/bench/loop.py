@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import PROJECT, Progress, timed
+from rewind.bench.ours import PROJECT, Progress, close_home, timed
 from rewind.engine import pending
 from rewind.engine.machine import Engine
 from rewind.home import Home
@@ -133,8 +133,7 @@ def main() -> None:
         try:
             loop = run_loop(home, rounds, print)
         finally:
-            import shutil
-            shutil.rmtree(home.runtime, ignore_errors=True)
+            close_home(home)
     for i, times in enumerate(loop.rounds):
         print(i + 1, "  ".join(f"{k}={v:.3f}" for k, v in times.items()))
     cpu = loop.background_cpu_s

@@ -3,7 +3,9 @@ checkpoint cost against memory in use, and the guard."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from rewind.bench.model import Report
+from rewind.engine.machine import Engine
+from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.store import Store
@@ -32,6 +36,17 @@ while True:
     last = now
 """
 PROJECT = "/root/project"
+
+
+def close_home(home: Home) -> None:
+    """Leave nothing of a scratch home running: its machines deleted, then their background
+    work waited for (a committer ends the QEMU a restore left behind: removed with the home
+    first, that QEMU ran on for good), then its memory files on tmpfs removed."""
+    for left in Sandbox.list(home=home):
+        left.delete()
+    with contextlib.suppress(RewindError):
+        Engine(home).settle()
+    shutil.rmtree(home.runtime, ignore_errors=True)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -191,6 +191,9 @@ class GVisor:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+PEERS = (PlainQemu.name, GVisor.name)
+
+
 def run_peers(sbx: Sandbox, report: Report, touched: list[int], rounds: int, progress: Progress) -> None:
     """Put each peer's figures beside ours in `report`. Plain QEMU works on `sbx`, the machine
     rewind's memory curve ran on, with the same memory in use."""

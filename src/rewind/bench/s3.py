@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import Progress, timed
+from rewind.bench.ours import Progress, close_home, timed
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.store import Store
@@ -176,9 +176,9 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
             sent_copy.append(uploads(other)[theirs.id]["bytes"] / (1 << 20))
             copy.delete()
     finally:
-        server.stop()
         for home in (a, b, c):
-            shutil.rmtree(home.runtime, ignore_errors=True)
+            close_home(home)  # before the server stops: nothing is left to upload by then
+        server.stop()
     report.add("s3_checkpoint_until_stored_local_s", "checkpoint until stored, local store folder", "s",
                until_stored)
     report.add("s3_checkpoint_until_uploaded_s", "checkpoint until uploaded, S3 on loopback", "s",
