@@ -222,6 +222,38 @@ def test_checkpoint_errors(home: Home) -> None:
         sbx.checkpoint()
 
 
+def test_two_checkpoints_given_one_name_at_once(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of two machines' checkpoints given one name at the same moment, one takes it and the
+    other is refused; both passed the name check before, and the second commit then failed for
+    good, with every store verb after it (issue 11)."""
+    machines = [Sandbox.create(f"twin-{i}", home=home) for i in range(2)]
+    both_capturing = threading.Barrier(2)
+    real_capture = timeline.capture
+
+    def capture_together(*args: object, **kwargs: object) -> object:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_capturing.wait(timeout=2)  # broken when only one can get here: the fixed case
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(timeline, "capture", capture_together)
+    outcome: list[str] = []
+
+    def take(sbx: Sandbox) -> None:
+        try:
+            outcome.append(sbx.checkpoint(name="shared-name").id)
+        except CheckpointExists as e:
+            outcome.append(str(e))
+
+    threads = [threading.Thread(target=take, args=(m,)) for m in machines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum("is taken" in o for o in outcome) == 1, outcome
+    Engine(home).settle()  # raised "captured but not yet stored" for the loser's point
+    assert [c.name for m in machines for c in m.history() if c.name] == ["shared-name"]
+
+
 def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
     """Kill `rewind checkpoint` at several moments: no half checkpoint is visible, the store
     passes its check, the machine runs on, and the next checkpoint works."""

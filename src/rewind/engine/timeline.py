@@ -20,6 +20,8 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +30,7 @@ from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pe
 from rewind.engine.accel import ACCELS
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.locks import file_lock
-from rewind.engine.machine import Handoff, validate_name
+from rewind.engine.machine import LOCK_TIMEOUT, Handoff, validate_name
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from rewind.engine.points import Located, Point
     from rewind.engine.qmp import Monitor
     from rewind.engine.snapshot import SavedState
+    from rewind.home import Home
     from rewind.store import CheckpointManifest, Store
 
 @dataclass(frozen=True)
@@ -126,15 +129,29 @@ def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: 
                held: bool = False, context: str | None = None) -> PendingCheckpoint:
     """Save memory, devices and disk of `machine` as of one instant into `store` (see
     Machine.checkpoint for the options). Returns once the instant is captured."""
-    if name is not None:
-        validate_checkpoint_name(name)
-        if name in pending.pending_names(machine.engine.home) or _names_a_checkpoint(store, name):
+    with _name_held(machine.engine.home, store, name):
+        machine.reload()  # a handle's record may predate a restore that another process left half done
+        finish_interrupted_restore(machine)
+        # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
+        with machine.locked(shared=True):
+            return _capture_locked(machine, store, name, labels, history, live, start_first, held, context)
+
+
+@contextmanager
+def _name_held(home: Home, store: Store, name: str | None) -> Iterator[None]:
+    """A checkpoint's name checked free and held until its journal names it: two checkpoints
+    given one name at once both passed the check, and the second one's commit then failed
+    for good (issue 11)."""
+    if name is None:
+        yield
+        return
+    validate_checkpoint_name(name)
+    folder = home.root / "pending"
+    folder.mkdir(parents=True, exist_ok=True)
+    with file_lock(folder / "names.lock", timeout=LOCK_TIMEOUT, what="checkpoint names"):
+        if name in pending.pending_names(home) or _names_a_checkpoint(store, name):
             raise CheckpointExists(f"checkpoint name {name!r} is taken")
-    machine.reload()  # a handle's record may predate a restore that another process left half done
-    finish_interrupted_restore(machine)
-    # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
-    with machine.locked(shared=True):
-        return _capture_locked(machine, store, name, labels, history, live, start_first, held, context)
+        yield
 
 
 def _names_a_checkpoint(store: Store, name: str) -> bool:
