@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB, netfilter
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB, netfilter, ramcache
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
@@ -384,21 +384,28 @@ class Machine:
     def start_from_state(self, state: SavedState) -> None:
         """Run a saved state in a new QEMU: its memory file mapped copy-on-write, its
         device state loaded, its disk layers below a new top layer of this machine's;
-        then give the guest this machine's identity."""
-        missing = next((f for f in (state.ram, state.devstate, *state.disks) if not os.path.exists(f)), None)
-        if missing is not None:  # said before QEMU fails on it less clearly
-            what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
-            raise NotFound(f"machine {self.name!r} cannot run from {what}: its file {missing} is gone")
-        self.record.disks = [str(d) for d in state.disks]
-        self.record.disks.append(str(self.new_top()))
-        self.record.ram, self.record.ram_point = str(state.ram), state.point
-        with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
-            mon.cmd("migrate-set-capabilities",
-                    capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.devstate))}")
-            mon.wait_migration()
-            mon.cmd("cont")
-            self._apply_identity(connect_timeout=30)
+        then give the guest this machine's identity. The memory image is held against
+        release from the cache (ramcache.starting) until QEMU has it mapped."""
+        with contextlib.ExitStack() as held:
+            missing = next((f for f in (state.devstate, *state.disks) if not os.path.exists(f)), None)
+            try:
+                held.enter_context(ramcache.starting(state.ram))
+            except FileNotFoundError:
+                missing = state.ram
+            if missing is not None:  # said before QEMU fails on it less clearly
+                what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
+                raise NotFound(f"machine {self.name!r} cannot run from {what}: its file {missing} is gone")
+            self.record.disks = [str(d) for d in state.disks]
+            self.record.disks.append(str(self.new_top()))
+            self.record.ram, self.record.ram_point = str(state.ram), state.point
+            with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
+                mon.cmd("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+                mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.devstate))}")
+                mon.wait_migration()
+                mon.cmd("cont")
+                held.close()  # QEMU maps its memory as it starts
+                self._apply_identity(connect_timeout=30)
 
     def _boot(self, report: Report) -> None:
         """Cold boot from this machine's own disk (a stopped machine), then give it its identity."""

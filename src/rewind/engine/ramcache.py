@@ -4,10 +4,15 @@ Every capture writes a memory image to tmpfs (runtime/ram), and restoring a stor
 unpacks one there. tmpfs is RAM: images left behind starve the host (seen: 5 GiB in 37
 files after an agent's loop, until the next run failed with ENOSPC). So images are a
 cache under a budget. Never released: an image a QEMU maps (found in /proc, so a machine
-started by any process counts), a capture not yet stored (its commit reads it; the caller
-pins those), the booted templates, and any image used in the last GRACE_S seconds (a
-machine about to start from it has not opened it yet). The rest go oldest first once the
-cache is over budget; the store brings them back when needed.
+started by any process counts), one a QEMU is being started from (`starting` holds it
+until QEMU maps it), a capture not yet stored (its commit reads it; the caller pins those),
+the booted templates, and any image used in the last GRACE_S seconds (picked for a start a
+moment before `starting` holds it). The rest go oldest first once the cache is over
+budget; the store brings them back when needed.
+
+The hold is a shared flock on the image; a release takes it exclusively, without waiting,
+and looks at /proc once more before it unlinks: an image is never taken from a QEMU that
+started from it after the first look.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.errors import RewindError
+from rewind.store.locks import acquire
 
-GRACE_S = 20.0
+# Covers the moment between picking an image for a start and `starting` holding it (a
+# restore's capture of the state it leaves, 0.1-0.3 s here). It was 20 s, which alone kept
+# 4.3 GiB of images over a 4 GiB budget in an agent's loop of tries and restores.
+GRACE_S = 5.0
+START_WAIT_S = 10.0  # a start waits this long for a release under way to finish
 TEMPLATE_PREFIX = "template-"
 BUDGET_ENV = "REWIND_RAM_BUDGET_MIB"
 DEFAULT_BUDGET_MIB = 4096  # and never more than a quarter of the file system
@@ -119,18 +129,54 @@ def trim(folder: Path, pinned: Pinned, limit: int | None = None) -> int:
         return 0
     mapped, kept = mapped_inodes(), set(pinned())
     recent = time.time() - GRACE_S
-    free = sorted((i for ino, i in images.items()
+    free = sorted(((ino, i) for ino, i in images.items()
                    if i.used < recent and ino not in mapped and not kept.intersection(i.paths)
                    and not any(p.name.startswith(TEMPLATE_PREFIX) for p in i.paths)),
-                  key=lambda i: i.used)
-    released = 0
-    for image in free:
-        if total - released <= limit:
-            break
-        for path in image.paths:
-            path.unlink(missing_ok=True)
-        released += image.size
-    return released
+                  key=lambda item: item[1].used)
+    chosen: dict[int, tuple[_Image, int]] = {}  # inode: (image, fd holding it exclusively)
+    try:
+        for ino, image in free:
+            if total - sum(i.size for i, _ in chosen.values()) <= limit:
+                break
+            fd = _lock_for_release(image)
+            if fd is not None:
+                chosen[ino] = (image, fd)
+        if not chosen:
+            return 0
+        mapped = mapped_inodes()  # a QEMU may have started from one since the first look
+        released = 0
+        for ino, (image, _) in chosen.items():
+            if ino not in mapped:
+                for path in image.paths:
+                    path.unlink(missing_ok=True)
+                released += image.size
+        return released
+    finally:
+        for _, fd in chosen.values():
+            os.close(fd)
+
+
+def _lock_for_release(image: _Image) -> int | None:
+    """An fd holding `image` exclusively, or None if a start holds it or it is gone."""
+    try:
+        return acquire(image.paths[0], exclusive=True, timeout=0, create=False)
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def starting(image: Path) -> Iterator[None]:
+    """Hold `image` against release while a QEMU is started from it (until QEMU maps it).
+    FileNotFoundError if it is gone, or was released while this waited for the hold."""
+    fd = acquire(image, exclusive=False, timeout=START_WAIT_S, create=False)
+    if fd is None:
+        raise FileNotFoundError(f"{image} is held by a release for more than {START_WAIT_S:.0f} s")
+    try:
+        if os.fstat(fd).st_ino != os.stat(image).st_ino:  # released, and a new one made since
+            raise FileNotFoundError(f"{image} was released")
+        yield
+    finally:
+        os.close(fd)
 
 
 def fits(folder: Path, need: int) -> bool:

@@ -317,10 +317,11 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
     if (meta.memory_mib, meta.cpus) != (machine.record.memory_mib, machine.record.cpus):
         raise InvalidArgument(f"checkpoint {target.point.id[:12]} is of a {meta.memory_mib} MiB, "
                               f"{meta.cpus}-vCPU machine; restore it as a new machine")
-    # A stored point's files come first: if they cannot be had, the machine is left as it was.
-    state = None if target.point.own_bytes is None else target.state()
     with machine.locked():
         machine.reload()
+        # A stored point's files come first: if they cannot be had, the machine is left as it
+        # was. Once the lock is ours: the memory image is picked a moment before it is started.
+        state = None if target.point.own_bytes is None else target.state()
         left = None
         if machine.status() == "running":
             # The state it leaves is captured with its guest stopped; that QEMU writes its memory

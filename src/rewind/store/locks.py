@@ -87,11 +87,12 @@ def live_holders(locks: Path) -> list[str]:
     return out
 
 
-def acquire(path: Path, *, exclusive: bool, timeout: float) -> int | None:
+def acquire(path: Path, *, exclusive: bool, timeout: float, create: bool = True) -> int | None:
     """An fd holding a flock on `path` (created 0600), or None if it was not free within
-    `timeout` s (0: one try). rewind's one way to take a file lock; the engine's locks too."""
+    `timeout` s (0: one try). rewind's one way to take a file lock; the engine's locks too.
+    `create=False`: a lock on a file that must exist (FileNotFoundError if it does not)."""
     deadline = time.monotonic() + timeout
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
     while True:
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
