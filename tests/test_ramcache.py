@@ -3,6 +3,7 @@ releases past the budget, and that an image a start holds is never taken from it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -22,6 +23,15 @@ def _image(folder: Path, name: str, age_s: float = 600.0) -> Path:
     then = time.time() - age_s
     os.utime(path, (then, then))
     return path
+
+
+def _fds_on(path: Path) -> int:
+    """How many of this process's descriptors are open on `path`."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed while we looked
+            count += os.readlink(fd) == str(path)
+    return count
 
 
 def test_trim_releases_the_oldest_past_the_budget(tmp_path: Path) -> None:
@@ -63,6 +73,10 @@ def test_a_start_never_gets_an_image_released_under_it(tmp_path: Path) -> None:
 
     starter = threading.Thread(target=start)
     starter.start()
+    deadline = time.monotonic() + 10
+    while _fds_on(image) < 2:  # the release's, and the start's waiting for its hold
+        assert time.monotonic() < deadline and starter.is_alive(), "the start never opened the image"
+        time.sleep(0.005)
     image.unlink()
     image.write_bytes(b"\x02" * MIB)  # brought back from the store under the same name
     os.close(release)
