@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from test_checkpoints import ASK, SERVER
 
-from rewind import Home, Sandbox
+from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pending, prefault, ramcache
 from rewind.engine.machine import Engine, Machine
+from rewind.engine.migstream import has_configuration
 from rewind.errors import NotFound
 from rewind.store import Store
 
@@ -59,6 +60,36 @@ def test_a_point_stored_by_its_changes_restores_identical_memory(home: Home) -> 
     got = again.exec("sha256sum /dev/shm/pattern", check=True, timeout=60).stdout.split()[0]
     assert got == _expected("one", "two")
     assert first.id in [c.id for c in again.history()]
+
+
+def test_a_try_copies_a_restored_machine_by_the_pages_it_wrote(home: Home) -> None:
+    """A try's copy of a machine that maps a point's memory file is captured without a
+    migration: QEMU saves its devices alone and the pages its guest wrote since are copied
+    over the file (snapshot.capture's `over`). The copy runs that memory byte for byte, and
+    its point comes back from the store once every local copy is gone."""
+    sbx = Sandbox.create("copied", home=home)
+    sbx.exec(PATTERN + "one all", check=True, timeout=120)
+    sbx.restore(sbx.checkpoint(wait=True))
+    sbx.exec(PATTERN + "two part", check=True, timeout=120)  # written since: in no file yet
+    sbx.files.write("/root/server.py", SERVER)
+    sbx.exec("nohup python3 /root/server.py >/dev/null 2>&1 &")
+    assert sbx.exec(ASK + " || (sleep 2; " + ASK + ")").stdout.split()[-1] == "1"
+
+    outcome = try_in_copy(sbx, f"sha256sum /dev/shm/pattern && {ASK}", verify="true")
+    assert outcome.passed, outcome.reason
+    assert outcome.log.split()[0] == _expected("one", "two") and outcome.log.split()[-1] == "2"
+    assert sbx.exec(ASK).stdout.strip() == "3"  # the kept copy's server, where the step left it
+    point = next(c for c in sbx.history() if c.labels.get("auto") == "fork")
+    store = Store.open(home.store)
+    store.materialize(store.get(point.id).blobs["devstate"], home.root / "devstate")
+    assert not has_configuration(home.root / "devstate"), "the copy was migrated, not copied"
+    sbx.delete()
+
+    shutil.rmtree(home.runtime / "ram")  # every memory image on this host
+    shutil.rmtree(home.root / "cache")
+    again = Sandbox.create("again", home=home, from_checkpoint=point)
+    assert again.exec("sha256sum /dev/shm/pattern", check=True).stdout.split()[0] == _expected("one", "two")
+    assert again.exec(ASK).stdout.strip() == "2"
 
 
 def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.MonkeyPatch,

@@ -31,6 +31,7 @@ from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
+from rewind.engine.migstream import has_configuration
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
     AGENT_CHARDEV,
@@ -310,13 +311,13 @@ class Machine:
 
     # ---- lifecycle ----
 
-    def _spec(self, ram: Path | None, incoming: bool) -> VmSpec:
+    def _spec(self, ram: Path | None, incoming: bool, configuration: bool = True) -> VmSpec:
         r = self.record
         image = self.engine.image(r.image_id)
         return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
                       kernel=image.kernel, initrd=image.initrd, disks=[Path(d) for d in r.disks],
                       ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=r.vmgenid, incoming=incoming,
-                      runtime_disk=image.runtime_disk)
+                      configuration=configuration, runtime_disk=image.runtime_disk)
 
     @property
     def disk_dir(self) -> Path:
@@ -398,7 +399,8 @@ class Machine:
             self.record.disks = [str(d) for d in state.disks]
             self.record.disks.append(str(self.new_top()))
             self.record.ram, self.record.ram_point = str(state.ram), state.point
-            with self._launching(self._spec(state.ram, incoming=True)), self.monitor() as mon:
+            spec = self._spec(state.ram, incoming=True, configuration=has_configuration(state.devstate))
+            with self._launching(spec), self.monitor() as mon:
                 mon.cmd("migrate-set-capabilities",
                         capabilities=[{"capability": "x-ignore-shared", "state": True}])
                 mon.cmd("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.devstate))}")

@@ -47,6 +47,7 @@ SMALL_READ = 64 << 10
 FILE_MAGIC = 0x5145564D
 FILE_VERSION = 3
 SECTION_START, SECTION_PART, SECTION_END = 0x01, 0x02, 0x03
+SECTION_CONFIGURATION = 0x07
 SECTION_FOOTER = 0x7E
 
 FLAG_ZERO = 0x02
@@ -303,6 +304,25 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
     return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)
 
 
+def write_result(done: Path, result: dict) -> None:
+    """Write a capture's result (a SplitResult's fields, or {"error": ...}) as `done`, whole:
+    its waiters take the file's appearance for the end of the write-out."""
+    tmp = done.with_name(done.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, done)
+
+
+def has_configuration(devstate: Path) -> bool:
+    """Whether a device-state stream starts with QEMU's configuration section (a migration's
+    does; a device-only save's does not, and QEMU loads it only with send-configuration off).
+    StreamError if it is not a migration stream at all."""
+    with open(devstate, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or struct.unpack(">II", head[:8]) != (FILE_MAGIC, FILE_VERSION):
+        raise StreamError(f"{devstate} is not a QEMU migration stream (bad magic or version)")
+    return head[8] == SECTION_CONFIGURATION
+
+
 def main(argv: list[str]) -> int:
     """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE READY_FD`: split the
     stream QEMU writes into the pipe whose read end is FD (QEMU holds the write end: `migrate
@@ -340,9 +360,7 @@ def main(argv: list[str]) -> int:
             while os.read(int(fd_in), PIPE_SIZE):
                 pass
     result["cpu_s"] = round(time.process_time(), 4)
-    with open(done + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(done + ".tmp", done)
+    write_result(Path(done), result)
     os.close(out_fd)
     return 1 if "error" in result else 0
 

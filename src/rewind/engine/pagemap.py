@@ -17,6 +17,8 @@ from pathlib import Path
 
 from rewind.engine.prefault import PAGE
 
+_COPY_PAGES = 1024  # pages per read and write of copy_changed (4 MiB)
+
 # The top byte of a pagemap entry (bits 56-63) decides: 0x80 present, 0x40 swapped, 0x20 a
 # page of the file. A page may differ from the file when it is swapped, or present and not
 # the file's. One flag byte per page, made by bytes.translate at C speed: 131,072 pages of
@@ -48,17 +50,7 @@ def changed_chunks(pid: int, size: int, path: Path, chunk_size: int) -> list[tup
     does not map that file (see file_mapping), OSError if its pagemap cannot be read."""
     if chunk_size % PAGE or size % chunk_size:
         raise LookupError(f"guest memory of {size} bytes is not whole chunks of {chunk_size}")
-    start = file_mapping(pid, size, path)
-    pages = size // PAGE
-    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
-        pagemap.seek(start // PAGE * 8)
-        entries = bytearray()
-        while len(entries) < pages * 8:
-            got = pagemap.read(pages * 8 - len(entries))
-            if not got:
-                raise OSError(f"the pagemap of process {pid} ended early")
-            entries += got
-    flags = bytes(entries[7::8]).translate(_MAY_DIFFER)
+    flags = _may_differ(pid, file_mapping(pid, size, path), size)
     per_chunk = chunk_size // PAGE
     ranges: list[tuple[int, int]] = []
     page = flags.find(1)
@@ -70,3 +62,51 @@ def changed_chunks(pid: int, size: int, path: Path, chunk_size: int) -> list[tup
             ranges.append((chunk, chunk + 1))
         page = flags.find(1, (chunk + 1) * per_chunk)
     return ranges
+
+
+def changed_pages(pid: int, start: int, size: int) -> list[tuple[int, int]]:
+    """The pages of the guest memory QEMU `pid` maps at `start` (see file_mapping) that may
+    differ from its file, as [first, last) ranges of page numbers. OSError as changed_chunks."""
+    flags = _may_differ(pid, start, size)
+    ranges: list[tuple[int, int]] = []
+    first = flags.find(1)
+    while first != -1:
+        last = flags.find(0, first)
+        last = len(flags) if last == -1 else last
+        ranges.append((first, last))
+        first = flags.find(1, last)
+    return ranges
+
+
+def _may_differ(pid: int, start: int, size: int) -> bytes:
+    """One byte per page of the mapping at `start`: 1 where it may differ from the file."""
+    pages = size // PAGE
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+        pagemap.seek(start // PAGE * 8)
+        entries = bytearray()
+        while len(entries) < pages * 8:
+            got = pagemap.read(pages * 8 - len(entries))
+            if not got:
+                raise OSError(f"the pagemap of process {pid} ended early")
+            entries += got
+    return bytes(entries[7::8]).translate(_MAY_DIFFER)
+
+
+def copy_changed(pid: int, start: int, size: int, dest_fd: int) -> int:
+    """Copy the pages of QEMU `pid`'s guest memory (mapped at `start`) that may differ from
+    its file to the same offsets of `dest_fd`; the number of pages. Only meaningful while
+    its guest is stopped. OSError if its memory cannot be read."""
+    copied = 0
+    memory = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for first, last in changed_pages(pid, start, size):
+            for page in range(first, last, _COPY_PAGES):
+                count = min(_COPY_PAGES, last - page)
+                data = os.pread(memory, count * PAGE, start + page * PAGE)
+                if len(data) != count * PAGE:
+                    raise OSError(f"process {pid}: its guest memory at page {page} cannot be read")
+                os.pwrite(dest_fd, data, page * PAGE)
+                copied += count
+    finally:
+        os.close(memory)
+    return copied

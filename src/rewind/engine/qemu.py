@@ -62,6 +62,9 @@ class VmSpec:
     mac: str
     vmgenid: str
     incoming: bool = False  # wait for `migrate-incoming` instead of booting
+    # False: the device state it loads has no configuration section (a device-only save, see
+    # snapshot.capture); QEMU then neither expects one nor writes one in its own migrations.
+    configuration: bool = True
     console_to_file: bool = False  # QEMU itself writes console.log, unbounded: only the template's boot
     runtime_disk: Path | None = None  # the guest agent and its own Python, attached read-only (image.build)
     kernel_cmdline: str = KERNEL_CMDLINE
@@ -103,6 +106,8 @@ def qemu_argv(spec: VmSpec) -> list[str]:
                  "-device", f"virtserialport,bus=vser0.0,chardev={chardev},name=rewind.agent.{i},id=port{i}"]
     if spec.incoming:
         argv += ["-incoming", "defer"]
+    if not spec.configuration:
+        argv += ["-global", "migration.send-configuration=off"]
     return argv
 
 

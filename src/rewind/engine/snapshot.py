@@ -28,12 +28,12 @@ import select
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rewind.engine import prefault, ramcache, spawner
+from rewind.engine import memfiles, pagemap, prefault, ramcache, spawner
 from rewind.engine.locks import file_lock
-from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
+from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError, write_result
 from rewind.engine.qemu import QMP_WARM_SOCKET, guest_ram_ranges, start_detached
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.errors import Busy
@@ -70,8 +70,28 @@ class Capture:
     pause_s: float | None  # how long the guest was paused (STOP to RESUME); None: stopped for good
 
 
+@dataclass(frozen=True)
+class MappedMemory:
+    """Guest memory that QEMU `pid` maps copy-on-write from `file`, at `start` (pagemap.py)."""
+
+    pid: int
+    file: Path
+    start: int
+    size: int
+
+
+def mapped_memory(pid: int, file: Path, size: int) -> MappedMemory | None:
+    """How QEMU `pid` maps `file` as its guest memory; None if it does not, or if its maps
+    cannot be read."""
+    try:
+        return MappedMemory(pid, file, pagemap.file_mapping(pid, size, file), size)
+    except (LookupError, OSError):
+        return None
+
+
 def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
-            ram_out: Path, devstate_out: Path, held: bool = False) -> Capture:
+            ram_out: Path, devstate_out: Path, held: bool = False,
+            over: MappedMemory | None = None) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
     backing file) afterwards. Returns once the moment is fixed.
 
@@ -83,21 +103,23 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     `held` (with `live`): the guest stays stopped until its memory is all written, by a plain
     migration, and then runs on; for a caller that waits for the memory anyway (a trial's
     copy). It needs no populate() and is quicker: 0.75-0.86 s for an idle 512 MiB guest just
-    restored, against 0.3 s of populate and 1.1-1.3 s of background write-out."""
+    restored, against 0.3 s of populate and 1.1-1.3 s of background write-out.
+
+    `held` with `over` (the guest's memory is a file mapped copy-on-write): nothing is
+    migrated. The guest is stopped only while QEMU saves its devices alone and the pages it
+    wrote since it started are copied over a copy of the file made beforehand; 14 ms of pause
+    and 0.07 s for the image, measured for an idle 512 MiB guest just restored."""
     done = _done_file(devstate_out)
     done.unlink(missing_ok=True)
+    if held and over is not None:
+        return _capture_over(mon, over, top_node, new_top_file, new_top_node, ram_out, devstate_out)
     # The splitter, a Python process, starts while QEMU is set up below: waiting for it to be
     # ready took 70 ms of a 172 ms checkpoint call, and 37 ms of 157 ms started here.
     splitter = _Splitter.start(ram_out, devstate_out) if live else None
     try:
         if live:  # a capture that stops the guest for good writes nothing yet: it need not wait
             _finish_migration(mon)
-        # The new top is attached by node, not by a backing file name written into it: layers
-        # move between directories, and QEMU's name for an explicit chain outgrows qcow2's field.
-        with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
-            mon.cmd("blockdev-del", **{"node-name": new_top_node})
-        mon.cmd("blockdev-add", driver="qcow2", backing=None,
-                file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
+        _attach_top(mon, new_top_file, new_top_node)
         uri = _prepare_migration(mon, splitter, background=not held) if splitter else None
     finally:
         if splitter is not None:
@@ -124,6 +146,46 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
     return Capture(ram=ram_out, devstate=devstate_out, done=done,
                    pause_s=_event_time(resume) - _event_time(stop))
+
+
+def _capture_over(mon: Monitor, over: MappedMemory, top_node: str, new_top_file: Path, new_top_node: str,
+                  ram_out: Path, devstate_out: Path) -> Capture:
+    """capture(held=True) of memory mapped from a file: see capture. QEMU's device-only save
+    is the QMP command `xen-save-devices-state`, generic despite its name; its stream has no
+    RAM and no configuration section (see migstream.has_configuration)."""
+    cpu = time.process_time()
+    _finish_migration(mon)
+    _attach_top(mon, new_top_file, new_top_node)
+    # QEMU opens it with O_TRUNC, which keeps this mode: 0600, as every memory and device file.
+    os.close(os.open(devstate_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+    with memfiles.patched_copy(over.file, ram_out) as image:  # the file's data, as the guest runs
+        mon.cmd("stop")
+        try:
+            mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
+            mon.cmd("xen-save-devices-state", filename=os.fspath(devstate_out), live=False)
+            pages = pagemap.copy_changed(over.pid, over.start, over.size, image)
+        except BaseException:
+            with contextlib.suppress(MonitorError):
+                mon.cmd("cont")  # the machine survives a capture that failed
+            raise
+        mon.cmd("cont")
+    stop, resume = mon.wait_event("STOP", CAPTURE_TIMEOUT), mon.wait_event("RESUME", CAPTURE_TIMEOUT)
+    done = _done_file(devstate_out)
+    write_result(done, asdict(SplitResult(ram_bytes=over.size, pages_written=pages, zero_pages=0,
+                                          devstate_bytes=devstate_out.stat().st_size,
+                                          cpu_s=round(time.process_time() - cpu, 4))))
+    return Capture(ram=ram_out, devstate=devstate_out, done=done,
+                   pause_s=_event_time(resume) - _event_time(stop))
+
+
+def _attach_top(mon: Monitor, new_top_file: Path, new_top_node: str) -> None:
+    """Attach the empty layer a capture makes the disk's new top. By node, not by a backing
+    file name written into it: layers move between directories, and QEMU's name for an
+    explicit chain outgrows qcow2's field."""
+    with contextlib.suppress(MonitorError):  # left attached by an interrupted checkpoint
+        mon.cmd("blockdev-del", **{"node-name": new_top_node})
+    mon.cmd("blockdev-add", driver="qcow2", backing=None,
+            file={"driver": "file", "filename": os.fspath(new_top_file)}, **{"node-name": new_top_node})
 
 
 def write_out(mon: Monitor, ram_out: Path, devstate_out: Path) -> None:

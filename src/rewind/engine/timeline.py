@@ -35,7 +35,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
-from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
+from rewind.engine.snapshot import capture, ensure_populated, mapped_memory, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
@@ -193,11 +193,12 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         new_top = machine.new_top()
         if live and not held:
             ensure_populated(mon, machine.disk_dir, r.pid, r.memory_mib)
+        over = mapped_memory(r.pid, Path(r.ram), r.memory_mib << 20) if held and r.ram and r.pid else None
         cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                       new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                       ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
-                      held=held)
-        if held:
+                      held=held, over=over)
+        if held and over is None:  # migrated whole: every page was read
             mark_populated(machine.disk_dir, r.pid)
         changed, mapped = _ram_changed(r)
         # The frozen layer leaves the machine's folder (QEMU keeps its open file): a branch
