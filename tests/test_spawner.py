@@ -54,41 +54,41 @@ def runtime(tmp_path: Path) -> Iterator[Path]:
         _wait_for(lambda pid=pid: start_ticks(pid) is None)
 
 
-def _warm(wait: bool = True) -> spawner.Request:
-    # A warmer whose monitor socket does not exist ends at once, with status 0.
-    return spawner.Request("warm", ["/nonexistent/qmp.sock", "/nonexistent", "1", "512", "", "0"], wait=wait)
+def _quick(wait: bool = True) -> spawner.Request:
+    # A committer whose journal does not exist (committed already) ends at once, with status 0.
+    return spawner.Request("commit", ["/nonexistent", "/nonexistent", "/nonexistent/point.json"], wait=wait)
 
 
 def test_children_are_forked_by_one_spawner_per_home(runtime: Path) -> None:
-    first = spawner.spawn(runtime, _warm())
+    first = spawner.spawn(runtime, _quick())
     assert first is not None and first.wait(10) == 0
     [pid] = _spawner_pids(runtime)
-    second = spawner.spawn(runtime, _warm())
+    second = spawner.spawn(runtime, _quick())
     assert second is not None and second.wait(10) == 0
     assert first.pid != second.pid and pid not in (first.pid, second.pid)
     assert _spawner_pids(runtime) == [pid]  # the same one served both
 
 
 def test_a_spawner_of_other_code_is_not_used_and_ends(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert spawner.spawn(runtime, _warm(wait=False)) is not None
+    assert spawner.spawn(runtime, _quick(wait=False)) is not None
     [old] = _spawner_pids(runtime)
     monkeypatch.setattr(spawner, "code_version", lambda: "an upgraded rewind")
-    assert spawner.spawn(runtime, _warm()) is None  # the caller starts a fresh process instead
+    assert spawner.spawn(runtime, _quick()) is None  # the caller starts a fresh process instead
     _wait_for(lambda: start_ticks(old) is None)
     assert not (runtime / spawner.SOCKET).exists()
 
 
 def test_a_spawner_ends_when_its_runtime_folder_goes(runtime: Path) -> None:
-    assert spawner.spawn(runtime, _warm(wait=False)) is not None
+    assert spawner.spawn(runtime, _quick(wait=False)) is not None
     [pid] = _spawner_pids(runtime)
     (runtime / spawner.SOCKET).unlink()
     _wait_for(lambda: start_ticks(pid) is None)
 
 
 def test_bad_requests_are_refused_without_harm(runtime: Path) -> None:
-    assert spawner.spawn(runtime, _warm()) is not None
+    assert spawner.spawn(runtime, _quick()) is not None
     [pid] = _spawner_pids(runtime)
-    good = {"target": "warm", "args": [], "version": spawner.PROTOCOL, "code": spawner.code_version()}
+    good = {"target": "commit", "args": [], "version": spawner.PROTOCOL, "code": spawner.code_version()}
     for bad in (b"not json", b"[]", *(json.dumps({**good, **change}).encode() for change in (
             {"target": "rm -rf /"}, {"args": "x"}, {"version": 99}))):
         with connect_unix(runtime / spawner.SOCKET, timeout=10) as sock:
@@ -98,7 +98,7 @@ def test_bad_requests_are_refused_without_harm(runtime: Path) -> None:
             except ConnectionResetError:
                 answer = b""
             assert answer == b""  # no child: closed unanswered
-    served = spawner.spawn(runtime, _warm())
+    served = spawner.spawn(runtime, _quick())
     assert served is not None and served.wait(10) == 0
     assert _spawner_pids(runtime) == [pid]
 

@@ -39,7 +39,6 @@ from rewind.engine.qemu import (
     CONSOLE_SOCKET,
     PID_FILE,
     QMP_SOCKET,
-    QMP_WARM_SOCKET,
     VmSpec,
     agent_socket,
     disk_node,
@@ -499,7 +498,7 @@ class Machine:
 
     def cleanup_runtime(self) -> None:
         netfilter.stop(self.path)
-        for name in (QMP_SOCKET, QMP_WARM_SOCKET, CONSOLE_SOCKET, PID_FILE,
+        for name in (QMP_SOCKET, CONSOLE_SOCKET, PID_FILE,
                      *(agent_socket(i) for i in range(AGENT_PORTS))):
             (self.path / name).unlink(missing_ok=True)
 
@@ -521,15 +520,6 @@ class Machine:
         from rewind.engine import timeline
 
         return timeline.checkpoint(self, store, name, labels, history, live, start_first, held, context)
-
-    def warm(self, delay: float = 0.0) -> None:
-        """Prepare this machine's QEMU for its next checkpoint, in the background (see
-        snapshot.start_warming), starting `delay` s from now: for machines that will be
-        checkpointed soon."""
-        from rewind.engine.snapshot import start_warming
-
-        r = self.record
-        start_warming(self.engine.home.runtime, self.path, self.disk_dir, r.pid, r.memory_mib, r.ram, delay)
 
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
@@ -703,13 +693,6 @@ class Engine:
                 machine.grow_disk(disk_mib)
                 machine.record.disk_size_mib = disk_mib
                 machine.save()
-        # Readied for its first checkpoint, which an agent takes soon after it starts (unwarmed,
-        # that call paid 0.18-0.2 s). The prefault makes the memory file it maps dense, which
-        # here is the template's, shared and made dense by any machine's first checkpoint on it.
-        # Branches and machines made from a point are not warmed: each would make its point's
-        # file dense (118 -> 512 MiB for an idle child, measured), for a checkpoint that may
-        # never come.
-        machine.warm()
         return machine
 
     def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,

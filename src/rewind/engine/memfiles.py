@@ -12,8 +12,6 @@ import os
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from rewind.engine.locks import file_lock
@@ -24,14 +22,6 @@ _BLOCK = 4 << 20
 
 def sparse_copy(src: Path, dest: Path) -> None:
     """Copy only the data extents of `src` (holes stay holes), then rename into place."""
-    with patched_copy(src, dest):
-        pass
-
-
-@contextmanager
-def patched_copy(src: Path, dest: Path) -> Iterator[int]:
-    """A sparse copy of `src` (0600) whose descriptor is yielded to write over; it becomes
-    `dest` when the block ends, and is removed if the block raises."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd_in = os.open(src, os.O_RDONLY)
     tmp_fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")  # 0600
@@ -48,7 +38,6 @@ def patched_copy(src: Path, dest: Path) -> Iterator[int]:
             for at in range(start, end, _BLOCK):
                 os.pwrite(tmp_fd, os.pread(fd_in, min(_BLOCK, end - at), at), at)
             pos = end
-        yield tmp_fd
         os.rename(tmp, dest)
     except BaseException:
         os.unlink(tmp)

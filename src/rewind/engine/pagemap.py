@@ -92,21 +92,20 @@ def _may_differ(pid: int, start: int, size: int) -> bytes:
     return bytes(entries[7::8]).translate(_MAY_DIFFER)
 
 
-def copy_changed(pid: int, start: int, size: int, dest_fd: int) -> int:
+def copy_changed(pid: int, start: int, size: int, dest_fd: int) -> list[tuple[int, int]]:
     """Copy the pages of QEMU `pid`'s guest memory (mapped at `start`) that may differ from
-    its file to the same offsets of `dest_fd`; the number of pages. Only meaningful while
-    its guest is stopped. OSError if its memory cannot be read."""
-    copied = 0
+    its file to the same offsets of `dest_fd`; returns them as changed_pages does. Only
+    meaningful while its guest is stopped. OSError if its memory cannot be read."""
+    runs = changed_pages(pid, start, size)
     memory = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for first, last in changed_pages(pid, start, size):
+        for first, last in runs:
             for page in range(first, last, _COPY_PAGES):
                 count = min(_COPY_PAGES, last - page)
                 data = os.pread(memory, count * PAGE, start + page * PAGE)
                 if len(data) != count * PAGE:
                     raise OSError(f"process {pid}: its guest memory at page {page} cannot be read")
                 os.pwrite(dest_fd, data, page * PAGE)
-                copied += count
     finally:
         os.close(memory)
-    return copied
+    return runs

@@ -25,7 +25,6 @@ KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
 # File names inside a machine's run directory (relative: QEMU runs there, and
 # unix socket paths must stay short).
 QMP_SOCKET = "qmp.sock"
-QMP_WARM_SOCKET = "qmp-warm.sock"  # a second monitor, for populating memory in the background
 PID_FILE = "qemu.pid"
 CONSOLE_LOG = "console.log"
 # A machine's serial console goes to its filter process, which keeps console.log bounded (see
@@ -95,7 +94,6 @@ def qemu_argv(spec: VmSpec) -> list[str]:
                      else f"socket,id=console,path={CONSOLE_SOCKET},server=on,wait=off"),
         "-serial", "chardev:console",
         "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
-        "-qmp", f"unix:{QMP_WARM_SOCKET},server=on,wait=off",
         "-pidfile", PID_FILE, "-daemonize",
         # The machine's UUID doubles as the tag that tells our QEMU from a reused PID.
         "-uuid", spec.tag,

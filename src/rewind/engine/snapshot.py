@@ -28,15 +28,14 @@ import select
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.engine import memfiles, pagemap, prefault, ramcache, spawner
-from rewind.engine.locks import file_lock
-from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError, write_result
-from rewind.engine.qemu import QMP_WARM_SOCKET, guest_ram_ranges, start_detached
+from rewind.engine import prefault, spawner
+from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
+from rewind.engine.pagecapture import MappedMemory, PageImage
+from rewind.engine.qemu import guest_ram_ranges, start_detached
 from rewind.engine.qmp import Monitor, MonitorError
-from rewind.errors import Busy
 from rewind.store.locks import is_held
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
@@ -68,30 +67,12 @@ class Capture:
     devstate: Path  # device state, loaded with x-ignore-shared over `ram`
     done: Path  # written by the splitter when the stream has ended, with its result
     pause_s: float | None  # how long the guest was paused (STOP to RESUME); None: stopped for good
-
-
-@dataclass(frozen=True)
-class MappedMemory:
-    """Guest memory that QEMU `pid` maps copy-on-write from `file`, at `start` (pagemap.py)."""
-
-    pid: int
-    file: Path
-    start: int
-    size: int
-
-
-def mapped_memory(pid: int, file: Path, size: int) -> MappedMemory | None:
-    """How QEMU `pid` maps `file` as its guest memory; None if it does not, or if its maps
-    cannot be read."""
-    try:
-        return MappedMemory(pid, file, pagemap.file_mapping(pid, size, file), size)
-    except (LookupError, OSError):
-        return None
+    by_pages: bool = False  # its memory copied by the pages written (pagecapture.py), not migrated
 
 
 def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
             ram_out: Path, devstate_out: Path, held: bool = False,
-            over: MappedMemory | None = None) -> Capture:
+            by_pages: MappedMemory | None = None) -> Capture:
     """Capture the machine; its disk's writes go to `new_top_file` (an empty qcow2 without a
     backing file) afterwards. Returns once the moment is fixed.
 
@@ -105,14 +86,16 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     copy). It needs no populate() and is quicker: 0.75-0.86 s for an idle 512 MiB guest just
     restored, against 0.3 s of populate and 1.1-1.3 s of background write-out.
 
-    `held` with `over` (the guest's memory is a file mapped copy-on-write): nothing is
-    migrated. The guest is stopped only while QEMU saves its devices alone and the pages it
-    wrote since it started are copied over a copy of the file made beforehand; 14 ms of pause
-    and 0.07 s for the image, measured for an idle 512 MiB guest just restored."""
+    `by_pages`: how QEMU maps the file its guest memory is copied-on-write from (see
+    pagecapture.py); nothing is migrated then, `held` or not. The guest is stopped only while
+    QEMU saves its devices alone and the pages it wrote are copied out; the image is filled
+    from the file afterwards, before this returns if `held`, else in the background."""
     done = _done_file(devstate_out)
     done.unlink(missing_ok=True)
-    if held and over is not None:
-        return _capture_over(mon, over, top_node, new_top_file, new_top_node, ram_out, devstate_out)
+    if by_pages is not None:
+        return _capture_by_pages(mon, by_pages, live=live, held=held, top_node=top_node,
+                                 new_top_file=new_top_file, new_top_node=new_top_node, ram_out=ram_out,
+                                 devstate_out=devstate_out)
     # The splitter, a Python process, starts while QEMU is set up below: waiting for it to be
     # ready took 70 ms of a 172 ms checkpoint call, and 37 ms of 157 ms started here.
     splitter = _Splitter.start(ram_out, devstate_out) if live else None
@@ -148,34 +131,37 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
                    pause_s=_event_time(resume) - _event_time(stop))
 
 
-def _capture_over(mon: Monitor, over: MappedMemory, top_node: str, new_top_file: Path, new_top_node: str,
-                  ram_out: Path, devstate_out: Path) -> Capture:
-    """capture(held=True) of memory mapped from a file: see capture. QEMU's device-only save
-    is the QMP command `xen-save-devices-state`, generic despite its name; its stream has no
-    RAM and no configuration section (see migstream.has_configuration)."""
-    cpu = time.process_time()
+def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, held: bool, top_node: str,
+                      new_top_file: Path, new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
+    """capture() of memory mapped from a file: see capture and pagecapture.py. QEMU's
+    device-only save is the QMP command `xen-save-devices-state`, generic despite its name;
+    its stream has no RAM and no configuration section (see migstream.has_configuration)."""
     _finish_migration(mon)
     _attach_top(mon, new_top_file, new_top_node)
-    # QEMU opens it with O_TRUNC, which keeps this mode: 0600, as every memory and device file.
-    os.close(os.open(devstate_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
-    with memfiles.patched_copy(over.file, ram_out) as image:  # the file's data, as the guest runs
+    image = PageImage(memory, ram_out, devstate_out, _done_file(devstate_out))
+    try:
         mon.cmd("stop")
         try:
             mon.cmd("blockdev-snapshot", node=top_node, overlay=new_top_node)
             mon.cmd("xen-save-devices-state", filename=os.fspath(devstate_out), live=False)
-            pages = pagemap.copy_changed(over.pid, over.start, over.size, image)
+            image.copy_written()
         except BaseException:
             with contextlib.suppress(MonitorError):
                 mon.cmd("cont")  # the machine survives a capture that failed
             raise
-        mon.cmd("cont")
+        if live:
+            mon.cmd("cont")
+        if held:
+            image.fill()
+        else:
+            image.fill_detached()
+    finally:
+        image.close()
+    if not live:
+        return Capture(ram=ram_out, devstate=devstate_out, done=image.done, pause_s=None, by_pages=True)
     stop, resume = mon.wait_event("STOP", CAPTURE_TIMEOUT), mon.wait_event("RESUME", CAPTURE_TIMEOUT)
-    done = _done_file(devstate_out)
-    write_result(done, asdict(SplitResult(ram_bytes=over.size, pages_written=pages, zero_pages=0,
-                                          devstate_bytes=devstate_out.stat().st_size,
-                                          cpu_s=round(time.process_time() - cpu, 4))))
-    return Capture(ram=ram_out, devstate=devstate_out, done=done,
-                   pause_s=_event_time(resume) - _event_time(stop))
+    return Capture(ram=ram_out, devstate=devstate_out, done=image.done,
+                   pause_s=_event_time(resume) - _event_time(stop), by_pages=True)
 
 
 def _attach_top(mon: Monitor, new_top_file: Path, new_top_node: str) -> None:
@@ -266,10 +252,8 @@ def _populated_marker(state_dir: Path) -> Path:
 
 def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -> None:
     """populate() once per QEMU process: `state_dir` (the machine's, kept across renames)
-    says which QEMU was done. One under way in the background (start_warming) is not waited
-    for but joined: it runs at the lowest priority, and on a busy host a checkpoint waiting on
-    it took 0.8-0.9 s where reading the rest at full speed takes 0.2 s; pages it has already
-    mapped cost little the second time."""
+    says which QEMU was done. Only a background snapshot needs it: a machine whose memory is a
+    file and that wrote little of it is captured by pages (pagecapture.py)."""
     if _reads(_populated_marker(state_dir)) != str(pid):
         populate(mon, pid, memory_mib)
         mark_populated(state_dir, pid)
@@ -277,15 +261,14 @@ def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -
 
 def mark_populated(state_dir: Path, pid: int) -> None:
     """Say that QEMU `pid` has all guest memory mapped: populated, or just migrated whole (a
-    held capture reads every page), so that a warmer after it has nothing to do (in the loop,
-    a restored machine's warmer landed on the try that had already read its memory)."""
+    held capture reads every page)."""
     _populated_marker(state_dir).write_text(str(pid))
 
 
 def populate_need(state_dir: Path, pid: int, ram_file: str | None) -> int:
     """The bytes of tmpfs populate() would take: a fault on a hole of the memory file QEMU
     maps allocates a page there, even a read fault of a copy-on-write mapping, and a QEMU
-    whose file cannot grow dies of SIGBUS (seen: warming a machine on a 420 MiB tmpfs).
+    whose file cannot grow dies of SIGBUS (seen: populating a machine on a 420 MiB tmpfs).
     0 once this QEMU is populated or when its memory is not a file."""
     if ram_file is None or _reads(_populated_marker(state_dir)) == str(pid):
         return 0
@@ -301,36 +284,6 @@ def _reads(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
-
-
-def start_warming(runtime: Path, run_dir: Path, state_dir: Path, pid: int, memory_mib: int,
-                  ram_file: str | None, delay: float = 0.0) -> None:
-    """populate() a machine's new QEMU in a detached process now (with its second monitor, for
-    when QEMU must read its memory itself), so that its first checkpoint does not pay for it
-    (0.3-0.6 s on the caller's path in an agent's loop). A checkpoint that comes first does
-    not wait for it but reads the rest itself (ensure_populated). At the lowest priority: at
-    full speed it delayed the restored guest's first command by 0.1-0.3 s; at the lowest,
-    still by 0.1-0.15 s in the loop (0.24-0.33 s against 0.14-0.2 s without a warmer), hence
-    the `delay` a restore asks for. Forked by the home's spawner where it answers."""
-    args = [str(run_dir / QMP_WARM_SOCKET), str(state_dir), str(pid), str(memory_mib), ram_file or "",
-            str(delay)]
-    if spawner.spawn(runtime, spawner.Request("warm", args, nice=19)) is None:
-        start_detached(["nice", "-n", "19", sys.executable, "-m", "rewind.engine.snapshot", *args])
-
-
-def warm_main() -> None:
-    """The warmer: `python -m rewind.engine.snapshot QMP_SOCKET STATE_DIR PID MEMORY_MIB RAM_FILE
-    DELAY`. It leaves a machine cold where tmpfs could not also take its first checkpoint's image."""
-    sock, state_dir, pid, memory_mib, ram_file, delay = sys.argv[1:7]
-    time.sleep(float(delay))  # not holding the lock: a checkpoint meanwhile populates itself
-    need = populate_need(Path(state_dir), int(pid), ram_file or None)
-    if need and not ramcache.fits(Path(ram_file).parent, need + (int(memory_mib) << 20)):
-        return
-    # One warmer per machine at a time (a kept copy is warmed when it starts, and again when kept).
-    lock = file_lock(Path(state_dir) / "populate.lock", timeout=0, what="warming")
-    # Connected first: the machine's folder may be renamed (a kept copy) meanwhile.
-    with contextlib.suppress(MonitorError, OSError, Busy), Monitor(Path(sock)) as mon, lock:
-        ensure_populated(mon, Path(state_dir), int(pid), int(memory_mib))
 
 
 class _Splitter:
@@ -404,6 +357,3 @@ def _event_time(event: dict) -> float:
     stamp = event["timestamp"]
     return stamp["seconds"] + stamp["microseconds"] / 1e6
 
-
-if __name__ == "__main__":
-    warm_main()

@@ -1,8 +1,8 @@
 """rewind's background processes, forked from one warm process per home instead of started
 afresh.
 
-Every checkpoint starts a committer, every machine start a network filter, every restore a
-memory warmer: each a new Python that imported rewind, dpkt, asyncio, BLAKE3 and zstandard
+Every checkpoint starts a committer and a memory splitter or assembler, every machine start a
+network filter: each a new Python that imported rewind, dpkt, asyncio, BLAKE3 and zstandard
 first, 0.1-0.3 s of CPU each here (0.15 s a committer, 0.2-0.3 s a filter). An agent's loop
 starts about ten of them a round, on two cores shared with the guests. So one process per
 home (this module's main) imports all of that once, listens on `spawner.sock` in the home's
@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from rewind import crashpoints
 from rewind.engine.unixsock import connect_unix
@@ -46,8 +47,8 @@ PROTOCOL = 1
 TARGETS = {
     "commit": ("rewind.engine.pending", "main", "rewind-commit"),
     "filter": ("rewind.engine.packetfilter", "main", "rewind-filter"),
-    "warm": ("rewind.engine.snapshot", "warm_main", "rewind-warm"),
     "split": ("rewind.engine.migstream", "run", "rewind-split"),
+    "assemble": ("rewind.engine.pagecapture", "run", "rewind-assemble"),
 }
 MAX_FDS = 8
 MAX_REQUEST = 1 << 16
@@ -106,9 +107,9 @@ class Spawned:
     """A child started through the spawner: its pid, and its exit code if it was asked to
     report one (the same calls as subprocess.Popen's that rewind uses)."""
 
-    def __init__(self, conn: socket.socket, pid: int) -> None:
+    def __init__(self, conn: socket.socket, reader: BinaryIO, pid: int) -> None:
         self._conn = conn
-        self._reader = conn.makefile("rb")
+        self._reader = reader  # the one that read the pid: it may hold the exit line already
         self.pid = pid
         self.returncode: int | None = None
 
@@ -163,7 +164,7 @@ def spawn(runtime: Path, request: Request, fds: tuple[int, ...] = ()) -> Spawned
     except (OSError, ValueError, KeyError, TypeError):
         conn.close()
         return None
-    spawned = Spawned(conn, pid)
+    spawned = Spawned(conn, reader, pid)
     if not request.wait:
         conn.close()
     return spawned

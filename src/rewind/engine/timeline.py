@@ -33,9 +33,10 @@ from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Handoff, validate_name
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
-from rewind.engine.snapshot import capture, ensure_populated, mapped_memory, mark_populated, populate_need
+from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
@@ -191,14 +192,16 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         r = machine.record
         top = Path(r.disks[-1])
         new_top = machine.new_top()
-        if live and not held:
+        # A try's copy waits for the image anyway: it is copied by pages however much was written.
+        by_pages = None if r.ram is None or r.pid is None else \
+            mapped_memory(r.pid, Path(r.ram), r.memory_mib << 20, None if held else WRITTEN_LIMIT)
+        if live and not held and by_pages is None:
             ensure_populated(mon, machine.disk_dir, r.pid, r.memory_mib)
-        over = mapped_memory(r.pid, Path(r.ram), r.memory_mib << 20) if held and r.ram and r.pid else None
         cap = capture(mon, live=live, top_node=disk_node(len(r.disks) - 1),
                       new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                       ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
-                      held=held, over=over)
-        if held and over is None:  # migrated whole: every page was read
+                      held=held, by_pages=by_pages)
+        if held and not cap.by_pages:  # migrated whole: every page was read
             mark_populated(machine.disk_dir, r.pid)
         changed, mapped = _ram_changed(r)
         # The frozen layer leaves the machine's folder (QEMU keeps its open file): a branch
@@ -220,10 +223,11 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             # The record says first that this QEMU is handed off: a kill from here on leaves
             # that for the next command to finish (finish_interrupted_restore).
             machine.update(advance)
-            # Its memory is written out later, by its committer, through the QMP socket
-            # moved aside: the path is its successor's from now on.
-            monitor = _handoff_monitor(caches, point_id)
-            os.replace(machine.path / QMP_SOCKET, monitor)
+            if not cap.by_pages:
+                # Its memory is written out later, by its committer, through the QMP socket
+                # moved aside: the path is its successor's from now on.
+                monitor = _handoff_monitor(caches, point_id)
+                os.replace(machine.path / QMP_SOCKET, monitor)
         point = PendingCheckpoint(
             id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
             parent=r.parent, name=name, labels=labels or {}, history=history, created=time.time(),
@@ -300,11 +304,6 @@ def _protocol_file(mon: Monitor, node: str) -> str:
 
 # ---- restore ----
 
-# A restored guest's first commands run on a cold QEMU; a warmer beside them slowed the first
-# by 0.1-0.15 s in the loop. Its next checkpoint seldom comes sooner (if so, it populates itself).
-WARM_DELAY_AFTER_RESTORE = 1.5
-
-
 def restore(machine: Machine, store: Store, ref: str) -> Point:
     """Put `machine` back to checkpoint `ref` (`~N` counts back from its last point): same
     name, identity and handle. The state it leaves is checkpointed first. A point not yet
@@ -338,7 +337,6 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
             if left is not None:  # the machine runs on from the state it was in; the error stands
                 _run_state(machine, left.id, machine.engine.find_point(store, left.id).state())
             raise
-        machine.warm(delay=WARM_DELAY_AFTER_RESTORE)
     return target.point
 
 
@@ -372,7 +370,6 @@ def finish_interrupted_restore(machine: Machine) -> None:
             _resume_handed_off(machine, handoff)
             return
         _run_state(machine, handoff.point, state)
-        machine.warm(delay=WARM_DELAY_AFTER_RESTORE)
     log.warning("machine %s: a restore was interrupted; it runs on from the state it was in "
                 "(checkpoint %s)", machine.name, handoff.point[:12])
 

@@ -143,15 +143,10 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     started = time.monotonic()
     copy_name = f"{machine.name[:40]}.try-{secrets.token_hex(3)}"
     rules = NetworkRules(internet=False) if offline else machine.network
-    # The caller waits for the copy: the machine is held still while its memory is copied,
-    # which is quicker than a background capture (and its populate).
+    # The caller waits for the copy: its memory image is made before fork returns, which is
+    # quicker than a background capture (see snapshot.capture's `held`).
     [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
                          network=rules, hold_source=True)
-    # A kept copy is checkpointed soon: its QEMU is readied for that while the step runs (warmed
-    # once kept, it was not done in time for the next round's checkpoint). For a copy that is
-    # thrown away this is spare CPU at the lowest priority, and its point's file is dense a little
-    # sooner than its commit releases it.
-    copy.warm()
     try:
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None
