@@ -74,6 +74,8 @@ class PageImage:
         if lock is None:
             raise StreamError(f"another capture is writing {devstate_out}")
         self._lock = lock
+        # Open from here on: a cache trim may take its name once no QEMU maps it.
+        self._base = os.open(memory.file, os.O_RDONLY | os.O_CLOEXEC)
         self._ram = os.open(ram_out, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.ftruncate(self._ram, memory.size)
         self._devstate = devstate_out
@@ -86,19 +88,18 @@ class PageImage:
 
     def fill(self) -> None:
         """Fill the rest of the image from the file and write the result, here and now."""
-        _fill_and_report(self.memory.file, self._ram, self.runs, self.done, self._devstate,
+        _fill_and_report(self._base, self._ram, self.runs, self.done, self._devstate,
                          time.process_time() - self.cpu_s)
 
     def fill_detached(self) -> None:
         """Have a detached assembler fill the image and write the result: it outlives this
-        process. Its runs go through a memfd, with the image and the lock."""
+        process. Its runs go through a memfd, with the file, the image and the lock."""
         runs = os.memfd_create("rewind-runs", os.MFD_CLOEXEC)
         try:
             os.write(runs, array("Q", [n for run in self.runs for n in run]).tobytes())
-            args = [str(self.memory.file), str(self.done), str(self._devstate),
-                    f"{time.process_time() - self.cpu_s:.4f}"]
-            fds = (self._ram, self._lock, runs)
-            request = spawner.Request("assemble", ["{fd0}", "{fd1}", "{fd2}", *args])
+            args = [str(self.done), str(self._devstate), f"{time.process_time() - self.cpu_s:.4f}"]
+            fds = (self._base, self._ram, self._lock, runs)
+            request = spawner.Request("assemble", ["{fd0}", "{fd1}", "{fd2}", "{fd3}", *args])
             if spawner.spawn(self._runtime, request, fds=fds) is None:
                 start_detached([sys.executable, "-m", "rewind.engine.pagecapture", *map(str, fds), *args],
                                pass_fds=fds)
@@ -107,14 +108,15 @@ class PageImage:
 
     def close(self) -> None:
         """Let go of this process's hold (an assembler keeps its own)."""
-        for fd in (self._ram, self._lock):
+        for fd in (self._base, self._ram, self._lock):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
 
-def _fill_and_report(base: Path, image: int, runs: list[tuple[int, int]], done: Path, devstate: Path,
+def _fill_and_report(base: int, image: int, runs: list[tuple[int, int]], done: Path, devstate: Path,
                      cpu_s: float) -> None:
-    """Copy `base`'s data outside `runs` (pages already written) into `image`; write the result."""
+    """Copy the data of file `base` outside `runs` (pages already written) into `image`;
+    write the result."""
     try:
         _fill(base, image, runs)
         result: dict = asdict(SplitResult(
@@ -125,44 +127,40 @@ def _fill_and_report(base: Path, image: int, runs: list[tuple[int, int]], done: 
     write_result(done, result)
 
 
-def _fill(base: Path, image: int, runs: list[tuple[int, int]]) -> None:
-    source = os.open(base, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(image).st_size
-        gaps = zip([0, *(last * PAGE for _, last in runs)], [*(first * PAGE for first, _ in runs), size],
-                   strict=True)
-        for start, end in gaps:
-            pos = start
-            while pos < end:
-                try:
-                    data = os.lseek(source, pos, os.SEEK_DATA)
-                except OSError:  # ENXIO: no data after pos
-                    return
-                if data >= end:
-                    break
-                hole = min(os.lseek(source, data, os.SEEK_HOLE), end)
-                for at in range(data, hole, _BLOCK):
-                    os.pwrite(image, os.pread(source, min(_BLOCK, hole - at), at), at)
-                pos = hole
-    finally:
-        os.close(source)
+def _fill(source: int, image: int, runs: list[tuple[int, int]]) -> None:
+    size = os.fstat(image).st_size
+    gaps = zip([0, *(last * PAGE for _, last in runs)], [*(first * PAGE for first, _ in runs), size],
+               strict=True)
+    for start, end in gaps:
+        pos = start
+        while pos < end:
+            try:
+                data = os.lseek(source, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after pos
+                return
+            if data >= end:
+                break
+            hole = min(os.lseek(source, data, os.SEEK_HOLE), end)
+            for at in range(data, hole, _BLOCK):
+                os.pwrite(image, os.pread(source, min(_BLOCK, hole - at), at), at)
+            pos = hole
 
 
 def main(argv: list[str]) -> int:
-    """The assembler: `python -m rewind.engine.pagecapture IMAGE_FD LOCK_FD RUNS_FD BASE DONE
-    DEVSTATE CPU_S`, with the image open, the device state's lock held and the written pages'
-    runs in a memfd (see PageImage.fill_detached)."""
+    """The assembler: `python -m rewind.engine.pagecapture BASE_FD IMAGE_FD LOCK_FD RUNS_FD DONE
+    DEVSTATE CPU_S`, with the mapped file and the image open, the device state's lock held and
+    the written pages' runs in a memfd (see PageImage.fill_detached)."""
     crashpoints.arm("split")
-    image, lock, runs_fd = (int(a) for a in argv[:3])
-    base, done, devstate, cpu_s = argv[3:7]
+    base, image, lock, runs_fd = (int(a) for a in argv[:4])
+    done, devstate, cpu_s = argv[4:7]
     flat = array("Q", os.pread(runs_fd, os.fstat(runs_fd).st_size, 0))
     os.close(runs_fd)
     runs = list(zip(flat[0::2], flat[1::2], strict=True))
     started = time.process_time()
-    _fill_and_report(Path(base), image, runs, Path(done), Path(devstate),
+    _fill_and_report(base, image, runs, Path(done), Path(devstate),
                      float(cpu_s) + time.process_time() - started)
-    os.close(image)
-    os.close(lock)
+    for fd in (base, image, lock):
+        os.close(fd)
     return 0
 
 
