@@ -24,6 +24,7 @@ def _page(i: int, base: dict[int, bytes]) -> bytes:
 
 def test_an_assembler_fills_the_image_from_the_file_outside_the_written_pages(tmp_path: Path) -> None:
     base_content = {i: bytes([65 + i]) * PAGE for i in (*range(0, 4), *range(10, 20))}  # the rest: holes
+    base_content[24] = bytes(PAGE)  # data, but zero
     base = tmp_path / "base.ram"
     with open(base, "wb") as f:
         f.truncate(PAGES * PAGE)
@@ -49,6 +50,8 @@ def test_an_assembler_fills_the_image_from_the_file_outside_the_written_pages(tm
     assert [got[i * PAGE:(i + 1) * PAGE] == _page(i, base_content) for i in range(PAGES)] == [True] * PAGES
     written_or_data = {i for i in range(PAGES) if i in base_content or _page(i, base_content)[0] == ord("W")}
     assert os.stat(image_path).st_blocks * 512 <= len(written_or_data) * PAGE, "holes were filled"
+    with open(image_path, "rb") as f:  # the file's zero page is a hole, as a splitter leaves one
+        assert os.lseek(f.fileno(), 24 * PAGE, os.SEEK_DATA) == 31 * PAGE
     result = json.loads(done.read_text())
     assert result["pages_written"] == 4 and result["devstate_bytes"] == len(b"device state")
     assert result["cpu_s"] >= 0.5

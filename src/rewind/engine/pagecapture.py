@@ -37,6 +37,8 @@ from rewind.store.locks import acquire
 # Pages copied while the guest is stopped go at about 1 GiB/s here (8 MiB in 9 ms).
 WRITTEN_LIMIT = 64 << 20
 _BLOCK = 4 << 20
+_PIECE = 64 << 10
+_ZEROS = bytes(_PIECE)
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,22 @@ def _fill(source: int, image: int, runs: list[tuple[int, int]]) -> None:
                 break
             hole = min(os.lseek(source, data, os.SEEK_HOLE), end)
             for at in range(data, hole, _BLOCK):
-                os.pwrite(image, os.pread(source, min(_BLOCK, hole - at), at), at)
+                _write_nonzero(image, os.pread(source, min(_BLOCK, hole - at), at), at)
             pos = hole
+
+
+def _write_nonzero(image: int, block: bytes, at: int) -> None:
+    """Write `block` at `at`, its zero pieces left as holes: a file that was read through a
+    mapping is dense, zero pages and all, and the image would be too (a splitter leaves zero
+    pages out). Comparing 64 KiB slices costs about 25 ms per 512 MiB here."""
+    start = None
+    for off in range(0, len(block) + _PIECE, _PIECE):
+        zero = off >= len(block) or block[off:off + _PIECE] == _ZEROS[:len(block) - off]
+        if zero and start is not None:
+            os.pwrite(image, block[start:off], at + start)
+            start = None
+        elif not zero and start is None:
+            start = off
 
 
 def main(argv: list[str]) -> int:
