@@ -50,17 +50,19 @@ def changed_chunks(pid: int, size: int, path: Path, chunk_size: int) -> list[tup
     does not map that file (see file_mapping), OSError if its pagemap cannot be read."""
     if chunk_size % PAGE or size % chunk_size:
         raise LookupError(f"guest memory of {size} bytes is not whole chunks of {chunk_size}")
-    flags = _may_differ(pid, file_mapping(pid, size, path), size)
-    per_chunk = chunk_size // PAGE
+    return chunks_of(changed_pages(pid, file_mapping(pid, size, path), size), chunk_size // PAGE)
+
+
+def chunks_of(pages: list[tuple[int, int]], per_chunk: int) -> list[tuple[int, int]]:
+    """The chunks of `per_chunk` pages that [first, last) page ranges touch, as [first, last)
+    ranges of chunk numbers."""
     ranges: list[tuple[int, int]] = []
-    page = flags.find(1)
-    while page != -1:
-        chunk = page // per_chunk
-        if ranges and ranges[-1][1] == chunk:
-            ranges[-1] = (ranges[-1][0], chunk + 1)
+    for first, last in pages:
+        low, high = first // per_chunk, (last - 1) // per_chunk + 1
+        if ranges and ranges[-1][1] >= low:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], high))
         else:
-            ranges.append((chunk, chunk + 1))
-        page = flags.find(1, (chunk + 1) * per_chunk)
+            ranges.append((low, high))
     return ranges
 
 

@@ -67,7 +67,9 @@ class Capture:
     devstate: Path  # device state, loaded with x-ignore-shared over `ram`
     done: Path  # written by the splitter when the stream has ended, with its result
     pause_s: float | None  # how long the guest was paused (STOP to RESUME); None: stopped for good
-    by_pages: bool = False  # its memory copied by the pages written (pagecapture.py), not migrated
+    # Captured by pages (pagecapture.py): the [first, last) page ranges copied over the file
+    # QEMU maps, read while the guest was stopped. None: migrated.
+    written: list[tuple[int, int]] | None = None
 
 
 def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_top_node: str,
@@ -158,10 +160,10 @@ def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, held: b
     finally:
         image.close()
     if not live:
-        return Capture(ram=ram_out, devstate=devstate_out, done=image.done, pause_s=None, by_pages=True)
+        return Capture(ram=ram_out, devstate=devstate_out, done=image.done, pause_s=None, written=image.runs)
     stop, resume = mon.wait_event("STOP", CAPTURE_TIMEOUT), mon.wait_event("RESUME", CAPTURE_TIMEOUT)
     return Capture(ram=ram_out, devstate=devstate_out, done=image.done,
-                   pause_s=_event_time(resume) - _event_time(stop), by_pages=True)
+                   pause_s=_event_time(resume) - _event_time(stop), written=image.runs)
 
 
 def _attach_top(mon: Monitor, new_top_file: Path, new_top_node: str) -> None:

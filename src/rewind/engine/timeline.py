@@ -201,9 +201,9 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
                       new_top_file=new_top, new_top_node=disk_node(len(r.disks)),
                       ram_out=caches.ram / f"{point_id}.ram", devstate_out=caches.devstate / point_id,
                       held=held, by_pages=by_pages)
-        if held and not cap.by_pages:  # migrated whole: every page was read
+        if held and cap.written is None:  # migrated whole: every page was read
             mark_populated(machine.disk_dir, r.pid)
-        changed, mapped = _ram_changed(r)
+        changed, mapped = _ram_changed(r, cap.written)
         # The frozen layer leaves the machine's folder (QEMU keeps its open file): a branch
         # may run on it after this machine is gone. Its old name goes only once the record
         # names the new layers: a kill in between leaves the record true.
@@ -223,7 +223,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             # The record says first that this QEMU is handed off: a kill from here on leaves
             # that for the next command to finish (finish_interrupted_restore).
             machine.update(advance)
-            if not cap.by_pages:
+            if cap.written is None:
                 # Its memory is written out later, by its committer, through the QMP socket
                 # moved aside: the path is its successor's from now on.
                 monitor = _handoff_monitor(caches, point_id)
@@ -253,17 +253,19 @@ def _handoff_monitor(caches: Caches, point_id: str) -> Path:
     return caches.devstate / f"{point_id}.qmp"
 
 
-def _ram_changed(r: MachineRecord) -> tuple[list[list[int]] | None, int | None]:
+def _ram_changed(r: MachineRecord, written: list[tuple[int, int]] | None) -> tuple[list[list[int]] | None,
+                                                                                 int | None]:
     """Which chunks of its memory may differ from the memory file it maps (a checkpoint's, or
-    its template's), read after a capture's instant (see pagemap.py), and that file's inode;
-    (None, None) if not known."""
+    its template's), and that file's inode; (None, None) if not known. From the pages a
+    capture by pages copied, else read after a capture's instant (see pagemap.py)."""
     from rewind.engine import pagemap
 
     if r.ram is None or r.pid is None:
         return None, None
     try:
         inode = os.stat(r.ram).st_ino
-        ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE)
+        ranges = pagemap.changed_chunks(r.pid, r.memory_mib << 20, Path(r.ram), RAM_CHUNK_SIZE) \
+            if written is None else pagemap.chunks_of(written, RAM_CHUNK_SIZE // pagemap.PAGE)
     except (LookupError, OSError):
         return None, None
     return [[first, last] for first, last in ranges], inode
