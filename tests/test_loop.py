@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from invariants import unrecorded_processes
 from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pending, prefault, ramcache, timeline
 from rewind.engine.machine import Engine
 from rewind.engine.migstream import has_configuration
+from rewind.engine.qemu import PID_FILE, process_alive
 from rewind.errors import NotFound
 from rewind.store import Store
 
@@ -163,6 +165,24 @@ def test_a_restore_whose_point_cannot_run_leaves_the_machine_as_it_was(
     left = sbx._machine.record.parent
     assert left not in (None, one.id)
     assert sbx.history()[0].id == left  # `one` itself is reported lost: its image is gone
+    assert not sbx._machine.stray_starts() and not unrecorded_processes(home)
+
+
+def test_a_next_qemu_left_by_a_killed_restore_is_ended(home: Home) -> None:
+    """A restore starts the next QEMU while it captures the state the machine leaves. Killed
+    before it adopts that QEMU, it leaves it running in a folder of its own: the next command
+    on the machine ends it, and the machine runs on."""
+    sbx = Sandbox.create("orphan", home=home)
+    point = sbx.checkpoint()
+    machine = sbx._machine
+    located = machine.engine.find_point(Store.open(home.store), point.id)
+    machine.next_qemu(located.state).release_image()  # never adopted: as a killed restore leaves it
+    (folder,) = machine.stray_starts()
+    pid = int((folder / PID_FILE).read_text())
+    assert process_alive(pid, machine.record.uuid)
+    assert sbx.exec("echo alive").stdout == "alive\n"
+    assert not machine.stray_starts() and not process_alive(pid, machine.record.uuid)
+    assert not unrecorded_processes(home)
 
 
 def _image_mib(home: Home) -> float:

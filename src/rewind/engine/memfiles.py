@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from rewind.engine.locks import file_lock
@@ -81,7 +82,7 @@ def blank_layer(runtime: Path, size_mib: int) -> Path:
     path = runtime / f"blank-{size_mib}m.qcow2"
     if not path.exists():
         private_runtime(runtime)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # see NextQemu
         subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp), f"{size_mib}M"],
                        check=True, capture_output=True)
         os.replace(tmp, path)

@@ -163,13 +163,14 @@ def runtime_disk_args(path: Path | None) -> list[str]:
             "-device", f"virtio-blk-pci,drive={RUNTIME_NODE},id=vdb"]
 
 
-def launch(spec: VmSpec, run_dir: Path) -> int:
-    """Start QEMU daemonized in `run_dir`; returns its PID once its sockets exist."""
+def launch(spec: VmSpec, run_dir: Path, log_dir: Path | None = None) -> int:
+    """Start QEMU daemonized in `run_dir` (its sockets and PID file), its log in `log_dir`
+    (by default the same); returns its PID once its sockets exist."""
     if shutil.which(QEMU_BINARY) is None:
         raise QemuError(f"{QEMU_BINARY} is not installed (apt-get install qemu-system-x86)")
     for name in (QMP_SOCKET, PID_FILE, CONSOLE_SOCKET, *(agent_socket(i) for i in range(AGENT_PORTS))):
         (run_dir / name).unlink(missing_ok=True)
-    with open(run_dir / QEMU_LOG, "ab") as log:
+    with open((log_dir or run_dir) / QEMU_LOG, "ab") as log:
         done = subprocess.run(qemu_argv(spec), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
                               stderr=subprocess.PIPE, timeout=60, check=False)
         log.write(done.stderr)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from qemu.qmp.legacy import QEMUMonitorProtocol
 
 
+INCOMING_FD = "rewind-incoming"  # the stream load_incoming reads, as QEMU knows it (getfd)
+
+
 class MonitorError(RewindError):
     """QEMU refused a QMP command or its monitor is unreachable."""
 
@@ -85,6 +88,32 @@ class Monitor:
         with contextlib.suppress(MonitorError):
             self.cmd("quit")
         self.close()
+
+    def load_incoming(self, path: Path, timeout: float = 120.0) -> None:
+        """Load the migration stream in file `path` into this QEMU (started with -incoming
+        defer) and have it run the guest. The file goes as a descriptor (QEMU forked a shell
+        and `cat` for `exec:`), and the end of the load is QEMU's MIGRATION event: polling
+        `query-migrate` overshot by up to 30 ms."""
+        self.cmd("migrate-set-capabilities", capabilities=[
+            {"capability": "x-ignore-shared", "state": True}, {"capability": "events", "state": True}])
+        with open(path, "rb") as stream:
+            self.send_fd(stream.fileno(), INCOMING_FD)
+        self.cmd("migrate-incoming", uri=f"fd:{INCOMING_FD}")
+        assert self._qmp is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self._qmp.pull_event(wait=0.05)
+                status = event.get("data", {}).get("status") if event.get("event") == "MIGRATION" else None
+            except TimeoutError:  # no news for a while: a load that failed may have ended QEMU
+                status = self.cmd("query-migrate").get("status")  # MonitorError if it did
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise MonitorError(f"QEMU could not load {path} (see its qemu.log)")
+            if time.monotonic() > deadline:
+                raise MonitorError(f"loading {path} did not finish in {timeout:.0f} s")
+        self.cmd("cont")  # unless it runs already: it does when the state was saved running
 
     def wait_event(self, name: str, timeout: float) -> dict:
         """The next event called `name` (earlier ones of other names are dropped)."""

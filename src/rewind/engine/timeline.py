@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -45,7 +44,7 @@ from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
 log = logging.getLogger("rewind")
 
 if TYPE_CHECKING:
-    from rewind.engine.machine import Engine, Machine, MachineRecord
+    from rewind.engine.machine import Engine, Machine, MachineRecord, NextQemu
     from rewind.engine.points import Located, Point
     from rewind.engine.qmp import Monitor
     from rewind.engine.snapshot import SavedState
@@ -324,30 +323,37 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
         # A stored point's files come first: if they cannot be had, the machine is left as it
         # was. Once the lock is ours: the memory image is picked a moment before it is started.
         state = None if target.point.own_bytes is None else target.state()
+        running = machine.status() == "running"
+        # The next QEMU starts on a thread meanwhile (see NextQemu). A point not yet stored is
+        # waited for there: if this QEMU is still writing it out, it does so with its guest
+        # stopped, sooner (no vCPU competes, no page is copied on write).
+        nxt = machine.next_qemu(lambda: state or target.state(), background=running)
         left = None
-        if machine.status() == "running":
+        if running:
             # The state it leaves is captured with its guest stopped; that QEMU writes its memory
             # out and is ended in the background, once the new one has started in its place.
-            left = _capture_locked(machine, store, None, {"auto": "before-restore"}, live=False,
-                                   start_first=True)
+            try:
+                left = _capture_locked(machine, store, None, {"auto": "before-restore"}, live=False,
+                                       start_first=True)
+            except BaseException:
+                nxt.discard()
+                raise
         try:
-            # A point not yet stored is waited for only now: if this QEMU is still writing it
-            # out, it does so with its guest stopped, sooner (no vCPU competes, no page is
-            # copied on write; in the loop the restore waited 0.13-0.39 s for it before).
-            _run_state(machine, target.point.id, state or target.state())
+            _run_state(machine, target.point.id, nxt)
         except BaseException:
             if left is not None:  # the machine runs on from the state it was in; the error stands
-                _run_state(machine, left.id, machine.engine.find_point(store, left.id).state())
+                found = machine.engine.find_point(store, left.id)
+                _run_state(machine, left.id, machine.next_qemu(found.state))
             raise
     return target.point
 
 
-def _run_state(machine: Machine, point_id: str, state: SavedState) -> None:
-    """Run `machine` from a point's files in a new QEMU (its old one is stopped or gone)."""
+def _run_state(machine: Machine, point_id: str, nxt: NextQemu) -> None:
+    """Run `machine` from a point's files in the QEMU `nxt` started (its old one is stopped
+    or gone), in a new generation: the guest reseeds its randomness."""
     machine.cleanup_runtime()
+    machine.run_next(nxt)
     r = machine.record
-    r.vmgenid = str(uuid.uuid4())  # a new generation: the guest reseeds its randomness
-    machine.start_from_state(state)
     r.state, r.parent, r.handoff = "running", point_id, None
     machine.save()
 
@@ -356,22 +362,22 @@ def finish_interrupted_restore(machine: Machine) -> None:
     """If a restore of `machine` was killed between stopping its QEMU and saving the next one
     (its record still holds a Handoff), finish it: the machine runs on from the state it was
     captured in. If that capture never got its journal, the stopped QEMU simply goes on."""
-    if machine.record.handoff is None:
+    if machine.record.handoff is None and not machine.stray_starts():
         return
     from rewind.store import Store
 
     with machine.locked():  # waits for a restore still under way
         machine.reload()
+        machine.end_stray_qemu()  # a successor started but not yet recorded
         handoff = machine.record.handoff
         if handoff is None:
             return
-        machine.end_stray_qemu()  # a successor started but not yet recorded
         try:
             state = machine.engine.find_point(Store.open(Path(handoff.store)), handoff.point).state()
         except NotFound:
             _resume_handed_off(machine, handoff)
             return
-        _run_state(machine, handoff.point, state)
+        _run_state(machine, handoff.point, machine.next_qemu(lambda: state))
     log.warning("machine %s: a restore was interrupted; it runs on from the state it was in "
                 "(checkpoint %s)", machine.name, handoff.point[:12])
 
