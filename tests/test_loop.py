@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import threading
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from invariants import unrecorded_processes
 from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox, try_in_copy
-from rewind.engine import pending, prefault, ramcache, timeline
+from rewind.engine import pagecapture, pending, prefault, ramcache, timeline
 from rewind.engine.machine import Engine
 from rewind.engine.migstream import has_configuration
 from rewind.engine.qemu import PID_FILE, process_alive
@@ -91,6 +93,65 @@ def test_a_try_copies_a_restored_machine_by_the_pages_it_wrote(home: Home) -> No
     again = Sandbox.create("again", home=home, from_checkpoint=point)
     assert again.exec("sha256sum /dev/shm/pattern", check=True).stdout.split()[0] == _expected("one", "two")
     assert again.exec(ASK).stdout.strip() == "2"
+
+
+def test_a_point_runs_before_its_image_is_filled(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture by pages copies the pages the guest wrote into the point's image; the rest
+    is filled from the file QEMU maps, later. With every fill held back, a restore and a
+    try's copy run the point from that file with the pages loaded over it: the memory and
+    the processes are the point's. Once filled, those points and the next one (from a QEMU
+    so started) are stored, and come back byte for byte from the store alone."""
+    go, fills = threading.Event(), []
+    fill_detached = pagecapture.PageImage.fill_detached
+
+    def fill_later(image: pagecapture.PageImage) -> None:
+        later = copy.copy(image)  # with descriptors of its own: the capture closes its ones
+        later._base, later._ram, later._lock = (os.dup(fd) for fd in (image._base, image._ram, image._lock))
+
+        def fill() -> None:
+            go.wait(60)  # without the overlay, a restore would wait for this fill
+            fill_detached(later)
+            later.close()
+        fills.append(threading.Thread(target=fill))
+        fills[-1].start()
+    monkeypatch.setattr(pagecapture.PageImage, "fill_detached", fill_later)
+    # Python's start reads tens of MiB into the guest's page cache: captured by pages all the same.
+    monkeypatch.setattr(timeline, "WRITTEN_LIMIT", 256 << 20)
+    monkeypatch.setattr(pending, "WRITTEN_LIMIT", 256 << 20)
+    sbx = Sandbox.create("overlaid", home=home)
+    sbx.files.write("/root/server.py", SERVER)
+    sbx.exec("nohup python3 /root/server.py >/dev/null 2>&1 &")
+    assert sbx.exec(ASK + " || (sleep 2; " + ASK + ")").stdout.split()[-1] == "1"
+    try:
+        sbx.exec(PATTERN + "one all", check=True, timeout=120)
+        point = sbx.checkpoint()
+        sbx.exec(PATTERN + "two all", check=True, timeout=120)
+        assert sbx.exec(ASK).stdout.strip() == "2"
+        sbx.restore(point.id)
+        (journal,) = [p for p in pending.captured(home) if p.id == point.id]
+        assert not Path(journal.done).exists(), "the point's image was filled before the restore"
+        assert sbx._machine.record.ram_point != point.id  # it runs over the file its pages were written over
+        assert sbx.exec("sha256sum /dev/shm/pattern", check=True).stdout.split()[0] == _expected("one")
+        assert sbx.exec(ASK).stdout.strip() == "2"
+        outcome = try_in_copy(sbx, f"sha256sum /dev/shm/pattern && {ASK}", verify="true")
+        assert outcome.passed, outcome.reason
+        assert outcome.log.split()[0] == _expected("one") and outcome.log.split()[-1] == "3"
+    finally:
+        go.set()
+        for thread in fills:
+            thread.join()
+    assert sbx.exec(ASK).stdout.strip() == "4"  # the kept copy's server
+    last = sbx.checkpoint(wait=True)
+    assert Store.open(home.store).check(read_data=True).ok
+    sbx.delete()
+
+    shutil.rmtree(home.runtime / "ram")  # every memory image on this host
+    shutil.rmtree(home.root / "cache")
+    for ref, count in ((point.id, "2"), (last.id, "5")):
+        again = Sandbox.create(f"again-{count}", home=home, from_checkpoint=ref)
+        assert again.exec("sha256sum /dev/shm/pattern", check=True).stdout.split()[0] == _expected("one")
+        assert again.exec(ASK).stdout.strip() == count
+        again.delete()
 
 
 def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.MonkeyPatch,

@@ -401,13 +401,16 @@ class Machine:
         """Run the saved state `nxt` was started for: its memory file mapped copy-on-write,
         its device state loaded, its disk layers below a new top layer of this machine's; then
         give the guest this machine's identity. This machine's old QEMU is gone by now."""
+        from rewind.engine.snapshot import incoming
+
         try:
             launched = nxt.wait()
             state, r = launched.state, self.record
             r.disks = [*(str(d) for d in state.disks), str(launched.top)]
-            r.ram, r.ram_point, r.vmgenid = str(state.ram), state.point, nxt.vmgenid
+            r.ram, r.ram_point, r.vmgenid = str(state.ram), state.ram_point, nxt.vmgenid
             with self._launching(nxt.adopt), self.monitor() as mon:
-                mon.load_incoming(state.devstate)
+                with incoming(state, r.memory_mib << 20) as stream:
+                    mon.load_incoming(stream, str(state.devstate))
                 nxt.release_image()  # QEMU maps its memory as it starts
                 self._apply_identity(connect_timeout=30)
         except BaseException:
@@ -631,10 +634,11 @@ class NextQemu:
     def _launch(self) -> Launched:
         m, state = self._machine, self._state_of()
         missing = next((f for f in (state.devstate, *state.disks) if not os.path.exists(f)), None)
-        try:
-            self._held.enter_context(ramcache.starting(state.ram))
-        except FileNotFoundError:
-            missing = state.ram
+        for image in (state.ram, *([] if state.over is None else [state.over.image])):
+            try:
+                self._held.enter_context(ramcache.starting(image))
+            except FileNotFoundError:
+                missing = image
         if missing is not None:  # said before QEMU fails on it less clearly
             what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
             raise NotFound(f"machine {m.name!r} cannot run from {what}: its file {missing} is gone")

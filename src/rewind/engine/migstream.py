@@ -304,6 +304,67 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
     return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)
 
 
+_RAM_SECTION = 0xFFFF0000  # a section id no device of a device-only save has
+_PAGE_BATCH = 256  # pages per writev
+
+
+def write_with_pages(devstate: Path, ram_block: str, ram_bytes: int, image: int,
+                     pages: list[tuple[int, int]], out: int) -> None:
+    """Write to `out` a migration stream that loads the device-only stream `devstate` after the
+    pages `pages` ([first, last) page ranges) of the file descriptor `image` into `ram_block`:
+    a QEMU whose memory maps another file copy-on-write then runs what a capture by pages saved
+    (see pagecapture.py) before that image is filled. The pages go first, as in a migration:
+    devices read guest memory as they load (virtio checks its rings). Zero pages go as 9-byte
+    records; QEMU writes those only where its memory is not zero already."""
+    with open(devstate, "rb") as f:
+        state = f.read()
+    if len(state) < 9 or struct.unpack(">II", state[:8]) != (FILE_MAGIC, FILE_VERSION) \
+            or state[8] == SECTION_CONFIGURATION:
+        raise StreamError(f"{devstate} is not a device-only QEMU stream")
+    name = bytes([len(ram_block)]) + ram_block.encode()
+    footer = struct.pack(">BI", SECTION_FOOTER, _RAM_SECTION)
+    head = b"".join([
+        state[:8],
+        struct.pack(">BI", SECTION_START, _RAM_SECTION), b"\x03ram", struct.pack(">II", 0, 4),
+        # The block list; with x-ignore-shared on, each block's guest address follows its length.
+        struct.pack(">Q", ram_bytes | FLAG_MEM_SIZE), name, struct.pack(">QQ", ram_bytes, 0),
+        struct.pack(">Q", FLAG_EOS), footer,
+        struct.pack(">BI", SECTION_END, _RAM_SECTION)])
+    _write_all(out, [head])
+    first = True
+    for start, end in pages:
+        for batch in range(start, end, _PAGE_BATCH):
+            count = min(_PAGE_BATCH, end - batch)
+            data = os.pread(image, count * PAGE_SIZE, batch * PAGE_SIZE).ljust(count * PAGE_SIZE, b"\0")
+            parts: list[bytes | memoryview] = []
+            view = memoryview(data)
+            for i in range(count):
+                page = view[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]
+                addr = (batch + i) * PAGE_SIZE
+                zero = page == _ZERO_PAGE
+                flags = (FLAG_ZERO if zero else FLAG_PAGE) | (0 if first else FLAG_CONTINUE)
+                parts.append(struct.pack(">Q", addr | flags) + (name if first else b""))
+                parts.append(b"\0" if zero else page)
+                first = False
+            _write_all(out, parts)
+    _write_all(out, [struct.pack(">Q", FLAG_EOS), footer, state[8:]])
+
+
+_ZERO_PAGE = bytes(PAGE_SIZE)
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """writev all of `parts` to `fd` (a pipe takes part of a large write at a time)."""
+    i = 0
+    while i < len(parts):
+        done = os.writev(fd, parts[i:i + _IOV_MAX])
+        while i < len(parts) and done >= len(parts[i]):
+            done -= len(parts[i])
+            i += 1
+        if done:
+            parts[i] = memoryview(parts[i])[done:]
+
+
 def write_result(done: Path, result: dict) -> None:
     """Write a capture's result (a SplitResult's fields, or {"error": ...}) as `done`, whole:
     its waiters take the file's appearance for the end of the write-out."""

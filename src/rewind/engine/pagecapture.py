@@ -6,8 +6,9 @@ file's, and pagemap.py tells which. Its memory at an instant is therefore the fi
 those pages over it. So a capture need not migrate all memory: the guest is stopped while
 QEMU saves its devices alone and the pages it wrote are copied out of QEMU's memory into the
 new image, at their offsets, then it runs on (or stays stopped, for a restore). The rest of
-the image, the file's unchanged data, is filled in afterwards: at once for a caller that
-waits for the image (a try's copy), else by a detached assembler (`main`). Whoever fills it
+the image, the file's unchanged data, is filled in afterwards by a detached assembler
+(`main`). Until then the point runs from the file QEMU mapped with the pages loaded over it
+(snapshot.PageOverlay), so nothing waits for the fill. Whoever fills it
 writes the capture's result last, as the splitter does for a migrated capture, and holds
 the device-state file locked until then (see snapshot.splitter_ended).
 
@@ -64,7 +65,7 @@ def mapped_memory(pid: int, file: Path, size: int, limit: int | None) -> MappedM
 
 class PageImage:
     """The memory image of one capture by pages, from the moment its device state is about to
-    be saved until it is filled (fill) or handed to an assembler (fill_detached)."""
+    be saved until it is handed to an assembler that fills it (fill_detached)."""
 
     def __init__(self, memory: MappedMemory, ram_out: Path, devstate_out: Path, done: Path) -> None:
         self.memory, self.done = memory, done
@@ -87,11 +88,6 @@ class PageImage:
         """Copy the pages the guest wrote into the image. Only while its guest is stopped."""
         m = self.memory
         self.runs = pagemap.copy_changed(m.pid, m.start, m.size, self._ram)
-
-    def fill(self) -> None:
-        """Fill the rest of the image from the file and write the result, here and now."""
-        _fill_and_report(self._base, self._ram, self.runs, self.done, self._devstate,
-                         time.process_time() - self.cpu_s)
 
     def fill_detached(self) -> None:
         """Have a detached assembler fill the image and write the result: it outlives this

@@ -89,15 +89,14 @@ class Monitor:
             self.cmd("quit")
         self.close()
 
-    def load_incoming(self, path: Path, timeout: float = 120.0) -> None:
-        """Load the migration stream in file `path` into this QEMU (started with -incoming
-        defer) and have it run the guest. The file goes as a descriptor (QEMU forked a shell
-        and `cat` for `exec:`), and the end of the load is QEMU's MIGRATION event: polling
-        `query-migrate` overshot by up to 30 ms."""
+    def load_incoming(self, stream: int, what: str, timeout: float = 120.0) -> None:
+        """Load the migration stream that file descriptor `stream` reads (`what` names it in
+        errors) into this QEMU (started with -incoming defer) and have it run the guest. It
+        goes as a descriptor (QEMU forked a shell and `cat` for `exec:`), and the end of the
+        load is QEMU's MIGRATION event: polling `query-migrate` overshot by up to 30 ms."""
         self.cmd("migrate-set-capabilities", capabilities=[
             {"capability": "x-ignore-shared", "state": True}, {"capability": "events", "state": True}])
-        with open(path, "rb") as stream:
-            self.send_fd(stream.fileno(), INCOMING_FD)
+        self.send_fd(stream, INCOMING_FD)
         self.cmd("migrate-incoming", uri=f"fd:{INCOMING_FD}")
         assert self._qmp is not None
         deadline = time.monotonic() + timeout
@@ -110,9 +109,9 @@ class Monitor:
             if status == "completed":
                 break
             if status in ("failed", "cancelled"):
-                raise MonitorError(f"QEMU could not load {path} (see its qemu.log)")
+                raise MonitorError(f"QEMU could not load {what} (see its qemu.log)")
             if time.monotonic() > deadline:
-                raise MonitorError(f"loading {path} did not finish in {timeout:.0f} s")
+                raise MonitorError(f"loading {what} did not finish in {timeout:.0f} s")
         self.cmd("cont")  # unless it runs already: it does when the state was saved running
 
     def wait_event(self, name: str, timeout: float) -> dict:

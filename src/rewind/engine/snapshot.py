@@ -26,13 +26,14 @@ import json
 import os
 import select
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.engine import prefault, spawner
-from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError
+from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError, write_with_pages
 from rewind.engine.pagecapture import MappedMemory, PageImage
 from rewind.engine.qemu import guest_ram_ranges, start_detached
 from rewind.engine.qmp import Monitor, MonitorError
@@ -50,6 +51,16 @@ UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
 
 
 @dataclass(frozen=True)
+class PageOverlay:
+    """The pages a capture by pages copied, loaded over the memory file its QEMU mapped: how a
+    point runs before its own image is filled (see pagecapture.py)."""
+
+    image: Path  # the capture's image, whose pages at `pages` are already written
+    pages: list[tuple[int, int]]  # [first, last) page ranges
+    ram_point: str | None  # the checkpoint whose memory file it goes over (None: a template's)
+
+
+@dataclass(frozen=True)
 class SavedState:
     """A running machine as saved: what a new QEMU needs to carry on from that moment."""
 
@@ -57,6 +68,47 @@ class SavedState:
     devstate: Path  # device state, loaded with x-ignore-shared
     disks: list[Path]  # the disk's frozen layers, base first
     point: str | None = None  # the checkpoint it is (None: an image's booted template)
+    over: PageOverlay | None = None  # pages loaded over `ram` with the device state
+
+    @property
+    def ram_point(self) -> str | None:
+        """The checkpoint whose memory file `ram` is."""
+        return self.point if self.over is None else self.over.ram_point
+
+
+@contextlib.contextmanager
+def incoming(state: SavedState, ram_bytes: int) -> Iterator[int]:
+    """A descriptor of the stream a new QEMU loads to run `state`: its device-state file, or,
+    with pages over its memory file, a pipe a thread fills (see migstream.write_with_pages)."""
+    if state.over is None:
+        with open(state.devstate, "rb") as f:
+            yield f.fileno()
+        return
+    over = state.over
+    image = os.open(over.image, os.O_RDONLY | os.O_CLOEXEC)
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_SIZE)
+    failed: list[BaseException] = []
+
+    def feed() -> None:
+        try:
+            write_with_pages(state.devstate, RAM_BLOCK, ram_bytes, image, over.pages, write_end)
+        except BrokenPipeError:
+            pass  # QEMU stopped reading: it says why
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(e)
+        finally:
+            os.close(write_end)
+    feeder = threading.Thread(target=feed, name="rewind-overlay", daemon=True)
+    try:
+        feeder.start()
+        yield read_end
+    finally:
+        os.close(read_end)  # a feeder still writing gets EPIPE
+        feeder.join()
+        os.close(image)
+    if failed:
+        raise failed[0]
 
 
 @dataclass(frozen=True)
@@ -91,11 +143,12 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
     `by_pages`: how QEMU maps the file its guest memory is copied-on-write from (see
     pagecapture.py); nothing is migrated then, `held` or not. The guest is stopped only while
     QEMU saves its devices alone and the pages it wrote are copied out; the image is filled
-    from the file afterwards, before this returns if `held`, else in the background."""
+    from the file afterwards, in the background (until then the point runs from the file with
+    those pages loaded over it: see PageOverlay)."""
     done = _done_file(devstate_out)
     done.unlink(missing_ok=True)
     if by_pages is not None:
-        return _capture_by_pages(mon, by_pages, live=live, held=held, top_node=top_node,
+        return _capture_by_pages(mon, by_pages, live=live, top_node=top_node,
                                  new_top_file=new_top_file, new_top_node=new_top_node, ram_out=ram_out,
                                  devstate_out=devstate_out)
     # The splitter, a Python process, starts while QEMU is set up below: waiting for it to be
@@ -133,7 +186,7 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
                    pause_s=_event_time(resume) - _event_time(stop))
 
 
-def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, held: bool, top_node: str,
+def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, top_node: str,
                       new_top_file: Path, new_top_node: str, ram_out: Path, devstate_out: Path) -> Capture:
     """capture() of memory mapped from a file: see capture and pagecapture.py. QEMU's
     device-only save is the QMP command `xen-save-devices-state`, generic despite its name;
@@ -153,10 +206,7 @@ def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, held: b
             raise
         if live:
             mon.cmd("cont")
-        if held:
-            image.fill()
-        else:
-            image.fill_detached()
+        image.fill_detached()
     finally:
         image.close()
     if not live:

@@ -237,7 +237,9 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             not_before=time.time() + pending.START_FIRST_S if start_first else 0.0,
             ram_base=None if changed is None else r.ram_point, ram_changed=changed,
             ram_base_file=r.ram if mapped is not None and r.ram_point is None else None,
-            ram_base_inode=mapped if r.ram_point is None else None)
+            ram_base_inode=mapped if r.ram_point is None else None,
+            ram_pages=None if cap.written is None or mapped is None else [list(run) for run in cap.written],
+            ram_over=r.ram, ram_over_inode=mapped, ram_over_point=r.ram_point)
         pending.record(home, point)
         if live:
             machine.update(advance)
@@ -428,9 +430,14 @@ def fork(engine: Engine, source: Machine, store: Store, names: list[str | None],
         if name is not None:
             validate_name(name)
     point = checkpoint(source, store, labels={"auto": "fork"}, start_first=True, held=hold_source)
-    point.wait_written()  # the copies start from its files; storing it goes on meanwhile
+    # The copies start from its files (the source's memory file and the pages it wrote, for a
+    # capture by pages); storing it goes on meanwhile.
+    state = point.overlay_state()
+    if state is None:
+        point.wait_written()
+        state = point.state
     meta = PointMeta.from_json(point.id, point.meta)
-    return [_run_point(engine, name, point.id, point.machine, meta, point.state, labels, network,
+    return [_run_point(engine, name, point.id, point.machine, meta, state, labels, network,
                        forked_from=source.name) for name in names]
 
 
