@@ -95,7 +95,7 @@ def incoming(state: SavedState, ram_bytes: int) -> Iterator[int]:
             write_with_pages(state.devstate, RAM_BLOCK, ram_bytes, image, over.pages, write_end)
         except BrokenPipeError:
             pass  # QEMU stopped reading: it says why
-        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+        except (OSError, StreamError) as e:  # said on the caller's thread, in place of QEMU's error
             failed.append(e)
         finally:
             os.close(write_end)
@@ -107,8 +107,9 @@ def incoming(state: SavedState, ram_bytes: int) -> Iterator[int]:
         os.close(read_end)  # a feeder still writing gets EPIPE
         feeder.join()
         os.close(image)
-    if failed:
-        raise failed[0]
+        if failed:  # the cause of a load that failed for want of its pages
+            raise StreamError(f"the pages of {over.image} could not be sent to QEMU: {failed[0]}") \
+                from failed[0]
 
 
 @dataclass(frozen=True)
