@@ -74,8 +74,13 @@ def _rollup_kib(pid: int) -> dict[str, int]:
 
 def host_memory_mib(machines: list[Sandbox]) -> float:
     """Host memory these machines add, each: their QEMUs' private pages, their network
-    filters' share, and the memory images on tmpfs they map (shared, counted once)."""
+    filters' share, and the memory images on tmpfs they map (shared, counted once) unless a
+    machine besides them runs on that image too (the machine they were forked from, or any
+    machine still on the template): that one is there without them."""
     kib = 0
+    names = {sbx._machine.name for sbx in machines}
+    others = {m.record.ram for m in machines[0]._machine.engine.list()
+              if m.name not in names and m.status() == "running"}
     images = set()
     for sbx in machines:
         record = sbx._machine.record
@@ -84,7 +89,7 @@ def host_memory_mib(machines: list[Sandbox]) -> float:
         filter_pid = int((sbx._machine.path / "net.pid").read_text().split()[0])
         kib += _rollup_kib(filter_pid)["Pss"]
         images.add(record.ram)
-    kib += sum(os.stat(image).st_blocks // 2 for image in images if image)
+    kib += sum(os.stat(image).st_blocks // 2 for image in images - others if image)
     return kib / 1024 / len(machines)
 
 
