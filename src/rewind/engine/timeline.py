@@ -277,8 +277,13 @@ def _reconcile_disks(machine: Machine, mon: Monitor, layers: Path) -> None:
     record missed, adopt it. Its old top is then a frozen layer, and moves to `layers` as a
     capture's does: copies made later share it, and it must outlive this machine's folder."""
     expected = disk_node(len(machine.record.disks) - 1)
-    live = next(d["inserted"]["node-name"] for d in mon.cmd("query-block")
-                if "inserted" in d and d["inserted"]["node-name"] != RUNTIME_NODE)
+    # From the block graph: `query-block` describes the whole backing chain, nested, and took
+    # 2 ms at the first checkpoint of the agent loop and 61 ms at its 80th layer (3.9 ms here).
+    graph = mon.cmd("x-debug-query-block-graph")
+    names = {n["id"]: n["name"] for n in graph["nodes"]}
+    backends = {n["id"] for n in graph["nodes"] if n["type"] == "block-backend"}
+    live = next(names[e["child"]] for e in graph["edges"]
+                if e["parent"] in backends and names[e["child"]] != RUNTIME_NODE)
     if live == expected:
         return
     if live != disk_node(len(machine.record.disks)):
