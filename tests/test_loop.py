@@ -268,11 +268,36 @@ def test_memory_images_stay_within_their_budget(home: Home, monkeypatch: pytest.
     assert not (home.runtime / "ram" / f"{points[0]}.ram").exists(), "the oldest image was kept"
     sbx.restore(points[0])  # brought back from the store
     assert sbx.files.read_text("/root/step") == "0"
+    # Images just used stay within the budget, not once the home's last machine is gone.
+    monkeypatch.setattr(ramcache, "GRACE_S", 60.0)
     sbx.delete()
     Engine(home).settle()  # the restore's own point, then the committer releases it too
-    pending.trim_images(home)
     templates = sum(p.stat().st_blocks * 512 for p in (home.runtime / "ram").glob("template-*.ram"))
     assert ramcache.usage(home.runtime / "ram").bytes == templates
+
+
+def test_a_start_whose_image_is_released_meanwhile_brings_it_back(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image picked for a start can be released before the start holds it (a trim with
+    no machine left in the home, in another process): the start picks it again, from the
+    store."""
+    sbx = Sandbox.create("picked", home=home)
+    sbx.files.write("/root/step", "picked")
+    point = sbx.checkpoint(wait=True)
+    hold = ramcache.starting
+    released = []
+
+    def released_first(image: Path):  # as a release between the pick and the hold does
+        if not released and image.parent == home.runtime / "ram":
+            image.unlink()
+            released.append(image)
+        return hold(image)
+    monkeypatch.setattr(ramcache, "starting", released_first)
+    copy_ = Sandbox.create(from_checkpoint=point, name="again", home=home)
+    assert released and released[0].exists(), "the image was not brought back"
+    assert copy_.files.read_text("/root/step") == "picked"
+    copy_.delete()
+    sbx.delete()
 
 
 @pytest.fixture

@@ -393,9 +393,10 @@ class Machine:
         generation it starts in (default: a new one, so the guest reseeds its randomness)."""
         return NextQemu(self, state_of, vmgenid or str(uuid.uuid4()), background)
 
-    def start_from_state(self, state: SavedState) -> None:
-        """Run a saved state in a new QEMU (see run_next), in the generation the record names."""
-        self.run_next(self.next_qemu(lambda: state, self.record.vmgenid))
+    def start_from_state(self, state_of: Callable[[], SavedState]) -> None:
+        """Run the saved state `state_of` gives in a new QEMU (see run_next), in the generation
+        the record names."""
+        self.run_next(self.next_qemu(state_of, self.record.vmgenid))
 
     def run_next(self, nxt: NextQemu) -> None:
         """Run the saved state `nxt` was started for: its memory file mapped copy-on-write,
@@ -633,12 +634,12 @@ class NextQemu:
 
     def _launch(self) -> Launched:
         m, state = self._machine, self._state_of()
-        missing = next((f for f in (state.devstate, *state.disks) if not os.path.exists(f)), None)
-        for image in (state.ram, *([] if state.over is None else [state.over.image])):
-            try:
-                self._held.enter_context(ramcache.starting(image))
-            except FileNotFoundError:
-                missing = image
+        missing = self._hold(state)
+        if missing is not None and missing.parent == m.engine.home.runtime / "ram":
+            # Released from the cache after it was picked (a trim with no machine left in the
+            # home, in another process): picked again, so brought back from the store.
+            state = self._state_of()
+            missing = self._hold(state)
         if missing is not None:  # said before QEMU fails on it less clearly
             what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
             raise NotFound(f"machine {m.name!r} cannot run from {what}: its file {missing} is gone")
@@ -647,6 +648,18 @@ class NextQemu:
                        configuration=has_configuration(state.devstate))
         self.run_dir.mkdir()
         return Launched(state, self._top, launch(spec, self.run_dir, log_dir=m.path))
+
+    def _hold(self, state: SavedState) -> Path | None:
+        """Hold the state's memory images against release (ramcache.starting); the first of
+        its files that is gone, if one is."""
+        self._held.close()
+        missing = next((Path(f) for f in (state.devstate, *state.disks) if not os.path.exists(f)), None)
+        for image in (state.ram, *([] if state.over is None else [state.over.image])):
+            try:
+                self._held.enter_context(ramcache.starting(image))
+            except FileNotFoundError:
+                missing = missing or Path(image)
+        return missing
 
     def wait(self) -> Launched:
         """The started QEMU; if it could not be started, what stopped it is raised here and
@@ -800,7 +813,8 @@ class Engine:
         template = self.template(memory_mib, cpus, chosen, report)
         machine = self.new_machine(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
-                            state=template_state(template, self.home.runtime, chosen), network=network)
+                            state_of=lambda: template_state(template, self.home.runtime, chosen),
+                            network=network)
         if disk_mib > base_mib:
             with self._undo_on_failure(machine):
                 machine.grow_disk(disk_mib)
@@ -888,9 +902,11 @@ class Engine:
             raise
 
     def new_machine(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str] | None,
-                    image_id: str, accel: str, disk_size_mib: int, parent: str | None, state: SavedState,
-                    network: NetworkRules | None = None, extra: dict | None = None) -> Machine:
-        """Register a machine and run `state` in it, with a new identity."""
+                    image_id: str, accel: str, disk_size_mib: int, parent: str | None,
+                    state_of: Callable[[], SavedState], network: NetworkRules | None = None,
+                    extra: dict | None = None) -> Machine:
+        """Register a machine and run the saved state `state_of` gives in it, with a new
+        identity."""
         name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
         labels = parse_labels(labels)
         self.home.machines.mkdir(parents=True, exist_ok=True)
@@ -909,7 +925,7 @@ class Engine:
         with self._undo_on_failure(machine), \
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):
             machine.save()
-            machine.start_from_state(state)
+            machine.start_from_state(state_of)
             record.state = "running"
             machine.save()
         return machine

@@ -6,9 +6,11 @@ files after an agent's loop, until the next run failed with ENOSPC). So images a
 cache under a budget. Never released: an image a QEMU maps (found in /proc, so a machine
 started by any process counts), one a QEMU is being started from (`starting` holds it
 until QEMU maps it), a capture not yet stored (its commit reads it; the caller pins those),
-the booted templates, and any image used in the last GRACE_S seconds (picked for a start a
-moment before `starting` holds it). The rest go oldest first once the cache is over
-budget; the store brings them back when needed.
+the booted templates. The rest go oldest first once the cache is over budget, or all of
+them when the home has no machine left or tmpfs is short; the store brings them back when
+needed. Trimmed to the budget, an image used in the last GRACE_S seconds stays too (picked
+for a start a moment before `starting` holds it); otherwise a start that finds its image
+released picks it again (engine.machine.NextQemu), which brings it back from the store.
 
 The hold is a shared flock on the image; a release takes it exclusively, without waiting,
 and looks at /proc once more before it unlinks: an image is never taken from a QEMU that
@@ -121,14 +123,15 @@ Pinned = Callable[[], Iterable[Path]]  # asked for only when something may be re
 
 def trim(folder: Path, pinned: Pinned, limit: int | None = None) -> int:
     """Release images, oldest first, until the cache is within `limit` bytes (default: the
-    budget); images QEMU maps and `pinned` ones stay. Returns the bytes released."""
+    budget); images QEMU maps and `pinned` ones stay, and so do those used in the last GRACE_S
+    unless `limit` is 0 (a start that loses one picks it again). Returns the bytes released."""
     limit = budget(folder) if limit is None else limit
     images = _images(folder) if folder.is_dir() else {}
     total = sum(i.size for i in images.values())
     if total <= limit:
         return 0
     mapped, kept = mapped_inodes(), set(pinned())
-    recent = time.time() - GRACE_S
+    recent = time.time() - (GRACE_S if limit else 0.0)
     free = sorted(((ino, i) for ino, i in images.items()
                    if i.used < recent and ino not in mapped and not kept.intersection(i.paths)
                    and not any(p.name.startswith(TEMPLATE_PREFIX) for p in i.paths)),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -328,13 +328,14 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
     with machine.locked():
         machine.reload()
         # A stored point's files come first: if they cannot be had, the machine is left as it
-        # was. Once the lock is ours: the memory image is picked a moment before it is started.
-        state = None if target.point.own_bytes is None else target.state()
+        # was. The next QEMU asks for them again (a look at the cache) when it starts.
+        if target.point.own_bytes is not None:
+            target.state()
         running = machine.status() == "running"
         # The next QEMU starts on a thread meanwhile (see NextQemu). A point not yet stored is
         # waited for there: if this QEMU is still writing it out, it does so with its guest
         # stopped, sooner (no vCPU competes, no page is copied on write).
-        nxt = machine.next_qemu(lambda: state or target.state(), background=running)
+        nxt = machine.next_qemu(target.state, background=running)
         left = None
         if running:
             # The state it leaves is captured with its guest stopped; that QEMU writes its memory
@@ -421,7 +422,7 @@ def create_from(engine: Engine, store: Store, ref: str | CheckpointManifest, nam
     point = found.point
     meta = PointMeta.from_json(point.id, point.meta)  # before any file is made from it
     engine.image(meta.image_id)
-    return _run_point(engine, name, point.id, point.machine, meta, found.state(), labels, network)
+    return _run_point(engine, name, point.id, point.machine, meta, found.state, labels, network)
 
 
 def fork(engine: Engine, source: Machine, store: Store, names: list[str | None],
@@ -442,16 +443,16 @@ def fork(engine: Engine, source: Machine, store: Store, names: list[str | None],
         point.wait_written()
         state = point.state
     meta = PointMeta.from_json(point.id, point.meta)
-    return [_run_point(engine, name, point.id, point.machine, meta, state, labels, network,
+    return [_run_point(engine, name, point.id, point.machine, meta, lambda: state, labels, network,
                        forked_from=source.name) for name in names]
 
 
 def _run_point(engine: Engine, name: str | None, point_id: str, machine: str, meta: PointMeta,
-               state: SavedState, labels: dict[str, str] | None, network: NetworkRules | None,
-               **extra: str) -> Machine:
+               state_of: Callable[[], SavedState], labels: dict[str, str] | None,
+               network: NetworkRules | None, **extra: str) -> Machine:
     """A new machine running a saved point of `machine`."""
     return engine.new_machine(
         name, memory_mib=meta.memory_mib, cpus=meta.cpus, labels=labels, image_id=meta.image_id,
-        accel=meta.accel, disk_size_mib=meta.disk_size_mib, parent=point_id, state=state,
+        accel=meta.accel, disk_size_mib=meta.disk_size_mib, parent=point_id, state_of=state_of,
         network=network if network is not None else meta.rules(),
         extra={"from_checkpoint": point_id, "from_machine": machine, **extra})
