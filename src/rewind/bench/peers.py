@@ -86,7 +86,7 @@ class PlainQemu:
         tag = str(uuid.uuid4())
         spec = VmSpec(tag=tag, memory_mib=machine.record.memory_mib, cpus=machine.record.cpus,
                       accel=machine.record.accel, kernel=image.kernel, initrd=image.initrd,
-                      disks=[self.work / "saved.qcow2"], ram_file=None, ram_shared=False,
+                      disks=[(0, self.work / "saved.qcow2")], ram_file=None, ram_shared=False,
                       mac=machine.record.mac, vmgenid=str(uuid.uuid4()), incoming=True,
                       runtime_disk=image.runtime_disk)
         started = time.perf_counter()

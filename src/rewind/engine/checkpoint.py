@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,15 +57,17 @@ class Caches:
 
 
 def put_immutable(store: Store, caches: Caches, path: Path, chunk_size: int | None = None,
-                  cache_name: Callable[[BlobIndex], Path] | None = None) -> BlobIndex:
+                  cache_name: Callable[[BlobIndex], Path] | None = None,
+                  stored: Collection[BlobIndex] = ()) -> BlobIndex:
     """Store a file that never changes (a frozen disk layer, a template's memory), hashing it
-    only once per host; `cache_name` gives it a name in a local cache too (see _link_into)."""
+    only once per host; `cache_name` gives it a name in a local cache too (see _link_into).
+    `stored`: blobs whose chunks are known to be in the store, not looked for again."""
     chunk_size = store.chunk_size if chunk_size is None else chunk_size
     st = path.stat()
     key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{chunk_size}.json"
     try:
         blob = BlobIndex.from_json(json.loads(key.read_text()))
-        if blob.chunk_size == chunk_size and store.has_chunks(blob):
+        if blob.chunk_size == chunk_size and (blob in stored or store.has_chunks(blob)):
             return blob
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -120,8 +122,12 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
         blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known,
                                        unchanged=unchanged),
                  "devstate": store.put_blob(state.devstate)}
+        # The parent's layers are the chain's lower ones: one stat per chunk to look for
+        # them again was about 4,700 stats a commit (the image's root disk, then a layer more
+        # per point), in the background CPU that competes with an agent's loop.
+        in_parent = _blobs_of(store, parent)
         for i, layer in enumerate(state.disks):
-            blobs[f"disk.{i}"] = put_immutable(store, caches, layer,
+            blobs[f"disk.{i}"] = put_immutable(store, caches, layer, stored=in_parent,
                                                cache_name=lambda blob: layer_path(caches, blob))
         common = {"name": name, "labels": labels, "meta": {**meta, "layers": len(state.disks)},
                   "history": history, "checkpoint_id": checkpoint_id}
@@ -133,6 +139,17 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
     fsync_file(state.devstate)
     _link_into(state.devstate, caches.devstate / blob_digest(blobs["devstate"]))
     return manifest
+
+
+def _blobs_of(store: Store, point: str | None) -> list[BlobIndex]:
+    """The blobs of a stored point, whose chunks stay in the store while its lock is held (only
+    gc removes chunks, under the exclusive lock); none if there is no such point."""
+    if point is None:
+        return []
+    try:
+        return list(store.get(point).blobs.values())
+    except LookupError:
+        return []
 
 
 def _unchanged_ram(store: Store, caches: Caches, ram: Path, base: str | None, changed: list[list[int]] | None,

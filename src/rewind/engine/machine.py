@@ -27,7 +27,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB, netfilter, ramcache
+from rewind.engine import (
+    DEFAULT_CPUS,
+    DEFAULT_MEMORY_MIB,
+    MAX_CPUS,
+    MIN_MEMORY_MIB,
+    diskchain,
+    netfilter,
+    ramcache,
+)
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
@@ -314,12 +322,14 @@ class Machine:
 
     def _spec(self, ram: Path | None, incoming: bool, disks: list[Path], vmgenid: str,
               configuration: bool = True) -> VmSpec:
-        """QEMU's command line for this machine. Reads only what no restore changes (a NextQemu
-        calls it on a thread of its own)."""
+        """QEMU's command line for this machine, its disk's frozen layers merged where a merged
+        file is there (diskchain.py). Reads only what no restore changes (a NextQemu calls it
+        on a thread of its own)."""
         r = self.record
         image = self.engine.image(r.image_id)
+        chain = [*diskchain.for_qemu(disks[:-1], self.engine.home), (len(disks) - 1, disks[-1])]
         return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
-                      kernel=image.kernel, initrd=image.initrd, disks=disks,
+                      kernel=image.kernel, initrd=image.initrd, disks=chain,
                       ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=vmgenid, incoming=incoming,
                       configuration=configuration, runtime_disk=image.runtime_disk)
 

@@ -55,7 +55,9 @@ class VmSpec:
     accel: str  # "kvm" or "tcg"
     kernel: Path
     initrd: Path
-    disks: list[Path]  # the disk's qcow2 chain: its base first, the writable top last
+    # The disk's qcow2 files, base first, the writable top last, each with its place in the
+    # machine's chain (a merged file stands for several layers: see diskchain.py).
+    disks: list[tuple[int, Path]]
     ram_file: Path | None  # None: plain anonymous RAM (a cold boot)
     ram_shared: bool  # True: guest RAM is the file itself; False: a private copy-on-write view of it
     mac: str
@@ -139,18 +141,20 @@ def disk_node(i: int) -> str:
     return f"d{i}"
 
 
-def disk_args(chain: list[Path]) -> list[str]:
-    """One -blockdev per layer, each naming the one below as its backing (the paths
-    recorded inside the files may be stale: layers are moved and materialised)."""
+def disk_args(chain: list[tuple[int, Path]]) -> list[str]:
+    """One -blockdev per file, named by its place in the chain and naming the one below as
+    its backing (the paths recorded inside the files may be stale: layers are moved and
+    materialised)."""
     args = []
-    top = len(chain) - 1
-    for i, path in enumerate(chain):
-        backing = "" if i == 0 else f",backing={disk_node(i - 1)}"
+    below = None
+    for place, path in chain:
+        backing = "" if below is None else f",backing={disk_node(below)}"
         # Lower layers are shared between machines: read-only, so no one takes their write lock.
-        mode = "" if i == top else ",read-only=on"
-        args += ["-blockdev", f"node-name={disk_node(i)},driver=qcow2,file.driver=file,"
+        mode = "" if (place, path) == chain[-1] else ",read-only=on"
+        args += ["-blockdev", f"node-name={disk_node(place)},driver=qcow2,file.driver=file,"
                               f"file.filename={path}{backing}{mode}"]
-    return [*args, "-device", f"virtio-blk-pci,drive={disk_node(len(chain) - 1)},id=vda"]
+        below = place
+    return [*args, "-device", f"virtio-blk-pci,drive={disk_node(chain[-1][0])},id=vda"]
 
 
 def runtime_disk_args(path: Path | None) -> list[str]:

@@ -119,7 +119,7 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
                     str(image.disk.resolve()), str(tmpl.disk)], check=True, capture_output=True)
     tag = str(uuid.uuid4())
     spec = VmSpec(tag=tag, memory_mib=memory_mib, cpus=cpus, accel=accel, kernel=image.kernel,
-                  initrd=image.initrd, disks=[tmpl.disk], ram_file=tmpl.ram, ram_shared=True,
+                  initrd=image.initrd, disks=[(0, tmpl.disk)], ram_file=tmpl.ram, ram_shared=True,
                   mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()), console_to_file=True,
                   runtime_disk=image.runtime_disk)
     pid = launch(spec, out)

@@ -1,0 +1,72 @@
+"""Frozen disk layers merged for starting QEMU (engine/diskchain.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from invariants import unrecorded_processes
+
+from rewind import Home, Sandbox
+from rewind.engine import diskchain
+from rewind.engine.machine import Engine
+
+
+def _files_qemu_opens(sbx: Sandbox) -> int:
+    with sbx._machine.monitor() as mon:
+        nodes = mon.cmd("query-named-block-nodes", flat=True)
+    return sum(1 for n in nodes if n["drv"] == "qcow2")
+
+
+def _check_files(sbx: Sandbox, count: int) -> None:
+    listing = sbx.exec(f"for i in $(seq 0 {count - 1}); do cat /root/f$i; echo; done; cat /root/last").stdout
+    assert listing.split() == [*map(str, range(count)), str(count - 1)]
+
+
+def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> None:
+    """Past MERGE_AFTER layers, the committer merges the frozen ones; a restore's QEMU opens
+    the merged file in their place and sees the same disk, and so does a later point, whether
+    the merged file is there or not."""
+    sbx = Sandbox.create("deep", home=home)
+    count = diskchain.MERGE_AFTER + 2
+    points = []
+    for i in range(count):
+        sbx.exec(f"echo -n {i} > /root/f{i} && echo -n {i} > /root/last", check=True)
+        points.append(sbx.checkpoint())
+    Engine(home).settle()
+    assert list(diskchain.folder(home).glob(f"*{diskchain.SUFFIX}")), "no merged file was made"
+    sbx.restore(points[-1])
+    layers = len(sbx._machine.record.disks)
+    assert _files_qemu_opens(sbx) <= layers - diskchain.MERGE_AFTER
+    _check_files(sbx, count)
+    sbx.exec("echo -n more > /root/f0", check=True)
+    after = sbx.checkpoint(wait=True)
+    shutil.rmtree(diskchain.folder(home))  # a cache: without it, the whole chain is opened
+    sbx.restore(after)
+    assert _files_qemu_opens(sbx) == len(sbx._machine.record.disks)
+    assert sbx.files.read_text("/root/f0") == "more"
+    sbx.restore(points[-1])
+    _check_files(sbx, count)
+    sbx.delete()
+    Engine(home).settle()  # the restores' captures, written out and ended
+    assert not unrecorded_processes(home)
+
+
+def test_unused_merged_files_beyond_the_kept_ones_are_removed(tmp_path: Path) -> None:
+    """Beyond the KEEP most recently picked, a merged file goes unless a start picked it in
+    the last GRACE_S (a QEMU about to open it)."""
+    home = Home(root=tmp_path, images=tmp_path / "images")
+    folder = diskchain.folder(home)
+    folder.mkdir(parents=True)
+    now = time.time()
+    files = []
+    for i in range(diskchain.KEEP + 3):
+        path = folder / f"{i:032x}{diskchain.SUFFIX}"
+        path.write_bytes(b"x")
+        picked = now - diskchain.GRACE_S - 60 if i == 0 else now - 10 + i
+        os.utime(path, (picked, picked))
+        files.append(path)
+    assert diskchain.remove_unused(home) == 1
+    assert [p.exists() for p in files] == [False, *[True] * (diskchain.KEEP + 2)]
