@@ -20,7 +20,8 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,16 +59,16 @@ class Caches:
 
 def put_immutable(store: Store, caches: Caches, path: Path, chunk_size: int | None = None,
                   cache_name: Callable[[BlobIndex], Path] | None = None,
-                  stored: Collection[BlobIndex] = ()) -> BlobIndex:
+                  stored: AbstractSet[str] = frozenset()) -> BlobIndex:
     """Store a file that never changes (a frozen disk layer, a template's memory), hashing it
     only once per host; `cache_name` gives it a name in a local cache too (see _link_into).
-    `stored`: blobs whose chunks are known to be in the store, not looked for again."""
+    `stored`: chunks known to be in the store, not looked for again."""
     chunk_size = store.chunk_size if chunk_size is None else chunk_size
     st = path.stat()
     key = caches.blobs / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{chunk_size}.json"
     try:
         blob = BlobIndex.from_json(json.loads(key.read_text()))
-        if blob.chunk_size == chunk_size and (blob in stored or store.has_chunks(blob)):
+        if blob.chunk_size == chunk_size and store.has_chunks(blob, known=stored):
             return blob
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -115,17 +116,18 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
             return store.get(checkpoint_id)
         except LookupError:
             pass
+        # What the parent holds is in the store: one stat per chunk to look for the chain's
+        # lower layers and the template's memory again was about 4,700 stats a commit, in the
+        # background CPU that competes with an agent's loop.
+        in_parent = _chunks_of(store, parent)
         base_file = None if ram_base_file is None else (Path(ram_base_file), ram_base_inode)
-        known, unchanged = _unchanged_ram(store, caches, state.ram, ram_base, ram_changed, base_file)
+        known, unchanged = _unchanged_ram(store, caches, state.ram, ram_base, ram_changed, base_file,
+                                          in_parent)
         if known is not None and ram_base is not None:
             meta = {**meta, "ram_base": ram_base}  # where its unchanged memory was taken from
         blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known,
                                        unchanged=unchanged),
                  "devstate": store.put_blob(state.devstate)}
-        # The parent's layers are the chain's lower ones: one stat per chunk to look for
-        # them again was about 4,700 stats a commit (the image's root disk, then a layer more
-        # per point), in the background CPU that competes with an agent's loop.
-        in_parent = _blobs_of(store, parent)
         for i, layer in enumerate(state.disks):
             blobs[f"disk.{i}"] = put_immutable(store, caches, layer, stored=in_parent,
                                                cache_name=lambda blob: layer_path(caches, blob))
@@ -141,19 +143,20 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
     return manifest
 
 
-def _blobs_of(store: Store, point: str | None) -> list[BlobIndex]:
-    """The blobs of a stored point, whose chunks stay in the store while its lock is held (only
-    gc removes chunks, under the exclusive lock); none if there is no such point."""
+def _chunks_of(store: Store, point: str | None) -> frozenset[str]:
+    """The chunks of a stored point, which stay in the store while its lock is held (only gc
+    removes chunks, under the exclusive lock); none if there is no such point."""
     if point is None:
-        return []
+        return frozenset()
     try:
-        return list(store.get(point).blobs.values())
+        return frozenset(store.get(point).hashes())
     except LookupError:
-        return []
+        return frozenset()
 
 
 def _unchanged_ram(store: Store, caches: Caches, ram: Path, base: str | None, changed: list[list[int]] | None,
-                   base_file: tuple[Path, int | None] | None) -> tuple[BlobIndex | None, set[int] | None]:
+                   base_file: tuple[Path, int | None] | None,
+                   stored: AbstractSet[str]) -> tuple[BlobIndex | None, set[int] | None]:
     """The memory index of checkpoint `base` (or of the immutable file `base_file`, given with
     its inode) and the chunks of `ram` that are as in it (all but `changed`), or (None, None)
     where that cannot be used: no base, a base not stored (yet, or any more), a base file
@@ -164,7 +167,7 @@ def _unchanged_ram(store: Store, caches: Caches, ram: Path, base: str | None, ch
         if base is not None:
             known = store.get(base).blobs.get("ram")
         elif base_file is not None and os.stat(base_file[0]).st_ino == base_file[1]:
-            known = put_immutable(store, caches, base_file[0], chunk_size=RAM_CHUNK_SIZE)
+            known = put_immutable(store, caches, base_file[0], chunk_size=RAM_CHUNK_SIZE, stored=stored)
         else:
             return None, None
     except (LookupError, OSError):

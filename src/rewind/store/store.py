@@ -31,6 +31,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterator
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
@@ -428,9 +429,10 @@ class Store:
             os.close(fd)
             os.rename(tmp, dest)
 
-    def has_chunks(self, blob: BlobIndex) -> bool:
-        """True if every chunk `blob` needs is in the store (its bytes are not checked)."""
-        return all(os.path.exists(self._chunk_file(h)) for h in blob.hashes())
+    def has_chunks(self, blob: BlobIndex, known: AbstractSet[str] = frozenset()) -> bool:
+        """True if every chunk `blob` needs is in the store (its bytes are not checked); those
+        in `known` are taken to be."""
+        return all(os.path.exists(self._chunk_file(h)) for h in blob.hashes() - known)
 
     def _chunk_file(self, h: str) -> str:
         return f"{self._chunks}/{h[:2]}/{h}"  # a str: pathlib's parsing shows up when done per chunk
