@@ -221,7 +221,13 @@ class Store:
                     data_at = _next_data(f, start + offset) - start
                 if i in unchanged:
                     assert known is not None and total is not None  # checked by put_blob
-                    chunks.append(_unchanged_entry(known, i, want))
+                    # A run at once: memory images are 8,192 chunks, most of them unchanged,
+                    # and a seek and an entry each were 10-15 ms of a commit's CPU.
+                    end = i + 1
+                    while end in unchanged and end * cs < total:
+                        end += 1
+                    want = min(end * cs, total) - offset
+                    chunks += _unchanged_entries(known, i, end, want)
                     f.seek(want, os.SEEK_CUR)
                 elif regular and data_at >= offset + want:  # a hole: zeros, not even read
                     chunks.append(None)
@@ -655,7 +661,10 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
     return data
 
 
-def _unchanged_entry(known: BlobIndex, i: int, length: int) -> str | None:
-    if i >= len(known.chunks) or min(known.chunk_size, known.size - i * known.chunk_size) != length:
-        raise InvalidArgument(f"chunk {i} cannot be unchanged: it differs in extent from the known blob")
-    return known.chunks[i]
+def _unchanged_entries(known: BlobIndex, first: int, end: int, length: int) -> list[str | None]:
+    """Chunks first..end-1 of `known`, `length` bytes in all in the new blob."""
+    extent = min(end * known.chunk_size, known.size) - first * known.chunk_size
+    if end > len(known.chunks) or extent != length:
+        which = f"chunk {first}" if end == first + 1 else f"chunks {first}-{end - 1}"
+        raise InvalidArgument(f"{which} cannot be unchanged: the known blob's extent differs")
+    return known.chunks[first:end]
