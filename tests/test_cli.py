@@ -72,6 +72,7 @@ def test_doctor_reports_accel_qemu_and_image(home: Home) -> None:
     report = json.loads(r.stdout)
     assert report["accel"] in ("kvm", "tcg") and report["image"] == "built"
     assert report["qemu"].startswith("QEMU emulator version")
+    assert report["merged_layers"] == {"files": 0, "mib": 0.0}  # a new home
 
 
 def test_demo_runs(home: Home) -> None:

@@ -36,7 +36,7 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
         sbx.exec(f"echo -n {i} > /root/f{i} && echo -n {i} > /root/last", check=True)
         points.append(sbx.checkpoint())
     Engine(home).settle()
-    assert list(diskchain.folder(home).glob(f"*{diskchain.SUFFIX}")), "no merged file was made"
+    assert diskchain.usage(home)["files"] >= 1, "no merged file was made"
     sbx.restore(points[-1])
     layers = len(sbx._machine.record.disks)
     assert _files_qemu_opens(sbx) <= layers - diskchain.MERGE_AFTER

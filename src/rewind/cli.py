@@ -916,7 +916,7 @@ def mcp(store_dir: str | None) -> None:
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""
-    from rewind.engine import ramcache
+    from rewind.engine import diskchain, ramcache
     from rewind.engine.checkpoint import Caches
     from rewind.engine.qemu import QEMU_BINARY
     from rewind.engine.template import find_template
@@ -945,6 +945,10 @@ def doctor(as_json: bool) -> None:
     report["memory_images"] = use.to_json() if as_json else (
         f"{use.images} on tmpfs, {use.bytes / (1 << 20):.0f} MiB of a {use.budget >> 20} MiB budget "
         f"({use.free >> 20} MiB free; {ramcache.BUDGET_ENV} sets the budget)")
+    merged = diskchain.usage(engine.home)
+    report["merged_layers"] = merged if as_json else (
+        f"{merged['files']} files, {merged['mib']:.0f} MiB (frozen disk layers merged for starts; "
+        "safe to delete)")
     if as_json:
         emit_json(report)
         return

@@ -151,6 +151,12 @@ def _qemu_img(*args: str) -> None:
         raise OSError(f"qemu-img {args[0]} failed: {result.stderr.strip()}")
 
 
+def usage(home: Home) -> dict[str, float]:
+    """What the merged files of a home take (`rewind doctor`)."""
+    sizes = [f.stat().st_size for f in folder(home).glob(f"*{SUFFIX}")] if folder(home).is_dir() else []
+    return {"files": len(sizes), "mib": round(sum(sizes) / (1 << 20), 1)}
+
+
 def remove_unused(home: Home) -> int:
     """Remove merged files beyond the KEEP newest that no QEMU has open and no start picked
     in the last GRACE_S; returns how many went."""
