@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from rewind.engine.qcow2 import Layer, LayerId
+from rewind.engine.qemu import qemu_processes
 from rewind.home import Home
 from rewind.store.durable import fsync_dir, fsync_file
 from rewind.store.locks import acquire
@@ -189,12 +190,8 @@ def _picked(path: Path) -> float:
 def _open_by_qemu() -> set[int]:
     """Inodes of the files QEMU processes on this host have open."""
     inodes = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in qemu_processes():
         with contextlib.suppress(OSError):
-            if not (proc / "comm").read_text().startswith("qemu"):
-                continue
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     inodes.add(fd.stat().st_ino)

@@ -7,11 +7,13 @@ state saved from one QEMU loads into another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +191,15 @@ def start_detached(argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
     runs in a session of its own, its parent gone). `pass_fds` are inherited by it."""
     subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, check=True, pass_fds=pass_fds)
+
+
+def qemu_processes() -> Iterator[Path]:
+    """The /proc folders of the QEMU processes on this host (any user's, any home's)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (proc / "comm").read_text().startswith("qemu"):
+                    yield proc
 
 
 def process_alive(pid: int, tag: str) -> bool:

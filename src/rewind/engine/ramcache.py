@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewind.engine.qemu import qemu_processes
 from rewind.errors import RewindError
 from rewind.store.locks import acquire
 
@@ -105,12 +106,8 @@ def usage(folder: Path) -> RamUse:
 def mapped_inodes() -> set[int]:
     """Inodes of the files QEMU processes on this host have mapped."""
     inodes = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in qemu_processes():
         with contextlib.suppress(OSError):
-            if not (proc / "comm").read_text().startswith("qemu"):
-                continue
             for line in (proc / "maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[4] != "0":
