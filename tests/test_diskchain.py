@@ -68,5 +68,11 @@ def test_unused_merged_files_beyond_the_kept_ones_are_removed(tmp_path: Path) ->
         picked = now - diskchain.GRACE_S - 60 if i == 0 else now - 10 + i
         os.utime(path, (picked, picked))
         files.append(path)
+    killed = folder / f".{0:032x}.0badf00d.tmp"  # left by a merge killed midway
+    killed.write_bytes(b"x")
+    os.utime(killed, (now - diskchain.GRACE_S - 60,) * 2)
+    running = folder / f".{1:032x}.lock"  # a merge under way
+    running.write_bytes(b"")
     assert diskchain.remove_unused(home) == 1
     assert [p.exists() for p in files] == [False, *[True] * (diskchain.KEEP + 2)]
+    assert not killed.exists() and running.exists()

@@ -160,12 +160,17 @@ def usage(home: Home) -> dict[str, float]:
 
 def remove_unused(home: Home) -> int:
     """Remove merged files beyond the KEEP newest that no QEMU has open and no start picked
-    in the last GRACE_S; returns how many went."""
+    in the last GRACE_S, and what a merge killed midway left (older than GRACE_S: a merge
+    takes seconds); returns how many merged files went."""
     where = folder(home)
     if not where.is_dir():
         return 0
-    files = sorted(where.glob(f"*{SUFFIX}"), key=_picked, reverse=True)[KEEP:]
     recent = time.time() - GRACE_S
+    for left in where.glob(".*"):  # temporary files and locks
+        with contextlib.suppress(OSError):
+            if left.stat().st_mtime < recent:
+                left.unlink()
+    files = sorted(where.glob(f"*{SUFFIX}"), key=_picked, reverse=True)[KEEP:]
     stale = [f for f in files if _picked(f) < recent]
     if not stale:
         return 0
