@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
         points.append(sbx.checkpoint())
     Engine(home).settle()
     assert diskchain.usage(home)["files"] >= 1, "no merged file was made"
+    _same_blocks(sbx, home)
     sbx.restore(points[-1])
     layers = len(sbx._machine.record.disks)
     assert _files_qemu_opens(sbx) <= layers - diskchain.MERGE_AFTER
@@ -52,6 +55,16 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
     sbx.delete()
     Engine(home).settle()  # the restores' captures, written out and ended
     assert not unrecorded_processes(home)
+
+
+def _same_blocks(sbx: Sandbox, home: Home) -> None:
+    """The merged chain QEMU would open reads, block for block, as the whole chain does."""
+    frozen = [Path(d) for d in sbx._machine.record.disks[:-1]]
+    opened = [path for _, path in diskchain.for_qemu(frozen, home)]
+    assert len(opened) < len(frozen)
+    images = [f"json:{json.dumps(diskchain._blockdev(chain))}" for chain in (frozen, opened)]
+    compared = subprocess.run(["qemu-img", "compare", "-U", *images], capture_output=True, text=True)
+    assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
 def test_unused_merged_files_beyond_the_kept_ones_are_removed(tmp_path: Path) -> None:
