@@ -62,7 +62,7 @@ def _same_blocks(sbx: Sandbox, home: Home) -> None:
     frozen = [Path(d) for d in sbx._machine.record.disks[:-1]]
     opened = [path for _, path in diskchain.for_qemu(frozen, home)]
     assert len(opened) < len(frozen)
-    images = [f"json:{json.dumps(diskchain._blockdev(chain))}" for chain in (frozen, opened)]
+    images = [f"json:{json.dumps(diskchain.blockdev(chain))}" for chain in (frozen, opened)]
     compared = subprocess.run(["qemu-img", "compare", "-U", *images], capture_output=True, text=True)
     assert compared.returncode == 0, compared.stdout + compared.stderr
 

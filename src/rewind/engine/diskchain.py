@@ -16,7 +16,8 @@ this host, named by the identity of the layers they stand for (frozen layers nev
 and one that is missing only makes a start open the longer chain.
 
 Merged files no QEMU has open and no start picked in the last GRACE_S are removed once more
-than KEEP are there.
+than KEEP are there. Not yet bounded: a merge copies the previous merged file, so a machine
+that has written gigabytes would copy them every MERGE_AFTER points.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _write_merged(chain: list[Path], k: int, base: Path | None, target: Path) ->
         # moved and linked), and unlocked: its frozen layers are open in running QEMUs, and
         # a commit job asks for them alone; they never change, and tmp and top are ours.
         layers = [chain[0], tmp, *chain[k + 1:], top]
-        _qemu_img("commit", "-q", "-d", "-b", str(tmp), f"json:{json.dumps(_blockdev(layers))}")
+        _qemu_img("commit", "-q", "-d", "-b", str(tmp), f"json:{json.dumps(blockdev(layers))}")
         fsync_file(tmp)  # a merged file under its name is whole, even after the host restarts
         os.rename(tmp, target)
         fsync_dir(target.parent)
@@ -129,7 +130,8 @@ def _write_merged(chain: list[Path], k: int, base: Path | None, target: Path) ->
         top.unlink(missing_ok=True)
 
 
-def _blockdev(layers: list[Path]) -> dict:
+def blockdev(layers: list[Path]) -> dict:
+    """QEMU's options for `layers` (root first) as one chain, each file unlocked."""
     node = None
     for path in layers:
         node = {"driver": "qcow2", "file": {"driver": "file", "filename": str(path), "locking": "off"},
