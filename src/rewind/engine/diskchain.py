@@ -57,12 +57,10 @@ def _keys(chain: list[Path]) -> list[str]:
     return keys
 
 
-def _longest_merged(chain: list[Path], where: Path) -> tuple[int, Path | None]:
-    """The longest prefix chain[0..k] with a merged file, as (k, file); (0, None) if none."""
-    if not where.is_dir():
-        return 0, None
-    keys = _keys(chain)
-    for k in range(len(chain) - 1, 1, -1):
+def _longest_merged(keys: list[str], where: Path) -> tuple[int, Path | None]:
+    """The longest prefix chain[0..k] (named by `keys`, see _keys) with a merged file, as
+    (k, file); (0, None) if none."""
+    for k in range(len(keys) - 1, 1, -1):
         merged = where / f"{keys[k]}{SUFFIX}"
         if merged.exists():
             return k, merged
@@ -74,7 +72,7 @@ def for_qemu(chain: list[Path], home: Home) -> list[tuple[int, Path]]:
     place in the chain: the longest merged prefix stands as one file, at its last layer's
     place (so the top's node keeps its name)."""
     with contextlib.suppress(OSError):  # a layer gone is said by QEMU, or by the caller's check
-        k, merged = _longest_merged(chain, folder(home))
+        k, merged = _longest_merged(_keys(chain), folder(home)) if folder(home).is_dir() else (0, None)
         if merged is not None:
             now = time.time()
             os.utime(merged, (now, now))  # picked: kept for GRACE_S
@@ -86,12 +84,14 @@ def merge_if_deep(chain: list[Path], home: Home) -> Path | None:
     """Write the merged file for the frozen `chain` if it has grown MERGE_AFTER layers past
     its longest merged prefix (and another process is not writing it already); the file
     written, or None."""
-    where = folder(home)
-    k, base = _longest_merged(chain, where)
+    if len(chain) - 2 < MERGE_AFTER:  # not deep enough whatever is merged (most commits)
+        return None
+    where, keys = folder(home), _keys(chain)
+    k, base = _longest_merged(keys, where)
     if len(chain) - 1 - max(k, 1) < MERGE_AFTER:
         return None
     where.mkdir(parents=True, exist_ok=True)
-    target = where / f"{_keys(chain)[-1]}{SUFFIX}"
+    target = where / f"{keys[-1]}{SUFFIX}"
     lock = acquire(where / f".{target.stem}.lock", exclusive=True, timeout=0)
     if lock is None:
         return None
@@ -156,7 +156,7 @@ def _qemu_img(*args: str) -> None:
 
 def usage(home: Home) -> dict[str, float]:
     """What the merged files of a home take (`rewind doctor`)."""
-    sizes = [f.stat().st_size for f in folder(home).glob(f"*{SUFFIX}")] if folder(home).is_dir() else []
+    sizes = [f.stat().st_size for f in folder(home).glob(f"*{SUFFIX}")]  # none if no folder
     return {"files": len(sizes), "mib": round(sum(sizes) / (1 << 20), 1)}
 
 
@@ -173,7 +173,7 @@ def remove_unused(home: Home) -> int:
             if left.stat().st_mtime < recent:
                 left.unlink()
     files = sorted(where.glob(f"*{SUFFIX}"), key=_picked, reverse=True)[KEEP:]
-    stale = [f for f in files if _picked(f) < recent]
+    stale = [f for f in files if _picked(f) < recent]  # for_qemu sets the time it picks one
     if not stale:
         return 0
     in_use = _open_by_qemu()
@@ -188,10 +188,9 @@ def remove_unused(home: Home) -> int:
 
 def _picked(path: Path) -> float:
     try:
-        st = path.stat()
+        return path.stat().st_mtime
     except OSError:
         return 0.0
-    return max(st.st_atime, st.st_mtime)
 
 
 def _open_by_qemu() -> set[int]:
