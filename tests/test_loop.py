@@ -237,7 +237,7 @@ def test_a_next_qemu_left_by_a_killed_restore_is_ended(home: Home) -> None:
     point = sbx.checkpoint()
     machine = sbx._machine
     located = machine.engine.find_point(Store.open(home.store), point.id)
-    machine.next_qemu(located.state).release_image()  # never adopted: as a killed restore leaves it
+    machine.next_qemu(located.state)  # never adopted: as a killed restore leaves it
     (folder,) = machine.stray_starts()
     pid = int((folder / PID_FILE).read_text())
     assert process_alive(pid, machine.record.uuid)

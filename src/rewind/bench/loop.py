@@ -104,6 +104,13 @@ def run_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
     return result
 
 
+def drift(samples: list[float]) -> float | None:
+    """The median of the last five rounds over that of the first five; None for under ten rounds."""
+    if len(samples) < 10:
+        return None
+    return statistics.median(samples[-5:]) / statistics.median(samples[:5])
+
+
 def agent_loop(home: Home, report: Report, rounds: int, progress: Progress) -> None:
     """Add the loop's figures to `report`: each step's median over all rounds, the last five
     rounds against the first five, background CPU per point and peak /dev/shm use."""
@@ -112,10 +119,9 @@ def agent_loop(home: Home, report: Report, rounds: int, progress: Progress) -> N
         what, target = WHAT[key]
         samples = [r[key] for r in loop.rounds]
         report.add(f"loop_{key}", f"in the agent loop: {what}", "s", samples, target=target)
-        head, tail = samples[:5], samples[-5:]
-        if len(samples) >= 10:
+        if (ratio := drift(samples)) is not None:
             report.add(f"loop_{key}_drift", f"in the agent loop: {what}, last five rounds / first five", "x",
-                       [statistics.median(tail) / statistics.median(head)], target=1.2)
+                       [ratio], target=1.2)
     report.add("loop_background_cpu_s", "in the agent loop: background CPU per point stored", "s",
                loop.background_cpu_s, target=0.2)
     report.add("loop_shm_peak_mib", "in the agent loop: peak /dev/shm use above the start", "MiB",
@@ -136,6 +142,11 @@ def main() -> None:
             close_home(home)
     for i, times in enumerate(loop.rounds):
         print(i + 1, "  ".join(f"{k}={v:.3f}" for k, v in times.items()))
+    for key in STEPS:
+        samples = [r[key] for r in loop.rounds]
+        ratio = drift(samples)
+        shown = "" if ratio is None else f"  drift {ratio:.2f}x"
+        print(f"median {key}={statistics.median(samples):.3f}{shown}")
     cpu = loop.background_cpu_s
     print(f"background cpu per point: median {statistics.median(cpu) if cpu else 0:.2f} s over {len(cpu)};"
           f" shm peak {loop.shm_peak_mib:.0f} MiB")

@@ -46,6 +46,7 @@ from rewind.engine.qemu import (
     AGENT_PORTS,
     CONSOLE_SOCKET,
     PID_FILE,
+    QEMU_LOG,
     QMP_SOCKET,
     VmSpec,
     agent_socket,
@@ -409,26 +410,20 @@ class Machine:
         self.run_next(self.next_qemu(state_of, self.record.vmgenid))
 
     def run_next(self, nxt: NextQemu) -> None:
-        """Run the saved state `nxt` was started for: its memory file mapped copy-on-write,
-        its device state loaded, its disk layers below a new top layer of this machine's; then
-        give the guest this machine's identity. This machine's old QEMU is gone by now."""
-        from rewind.engine.snapshot import incoming
-
+        """Make the QEMU `nxt` started, which runs the saved state by now (see NextQemu), this
+        machine's: its disk layers, memory file and generation go into the record, its
+        sockets into this machine's folder, and its network filter starts. This machine's old
+        QEMU is gone by now."""
         try:
             launched = nxt.wait()
             state, r = launched.state, self.record
             r.disks = [*(str(d) for d in state.disks), str(launched.top)]
             r.ram, r.ram_point, r.vmgenid = str(state.ram), state.ram_point, nxt.vmgenid
-            with self._launching(nxt.adopt), self.monitor() as mon:
-                with incoming(state, r.memory_mib << 20) as stream:
-                    mon.load_incoming(stream, str(state.devstate))
-                nxt.release_image()  # QEMU maps its memory as it starts
-                self._apply_identity(connect_timeout=30)
+            with self._launching(nxt.adopt):
+                pass
         except BaseException:
             nxt.discard()
             raise
-        finally:
-            nxt.release_image()
 
     def _boot(self, report: Report) -> None:
         """Cold boot from this machine's own disk (a stopped machine), then give it its identity."""
@@ -438,7 +433,7 @@ class Machine:
         spec = self._spec(None, incoming=False, disks=[Path(d) for d in self.record.disks],
                           vmgenid=self.record.vmgenid)
         with self._launching(lambda: launch(spec, self.path)):
-            self._apply_identity(connect_timeout=BOOT_TIMEOUT)
+            self.apply_identity(self.path, self._check_starting, connect_timeout=BOOT_TIMEOUT)
 
     def _check_starting(self) -> None:
         """check_alive for a machine still being started (its record is not yet 'running')."""
@@ -447,10 +442,11 @@ class Machine:
             raise MachineDied(f"machine {r.name!r}: QEMU exited while starting "
                               f"(see {self.path / 'console.log'})")
 
-    def _apply_identity(self, connect_timeout: float) -> None:
+    def apply_identity(self, run_dir: Path, alive: Callable[[], None], connect_timeout: float) -> None:
+        """Give the guest of the QEMU in `run_dir` this machine's identity, a fresh seed for
+        its randomness and the time; `alive` raises if that QEMU is gone."""
         r = self.record
-        with AgentClient(self.path / agent_socket(0), alive=self._check_starting,
-                         connect_timeout=connect_timeout) as client:
+        with AgentClient(run_dir / agent_socket(0), alive=alive, connect_timeout=connect_timeout) as client:
             client.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                                 seed=secrets.token_hex(32), time=time.time())
 
@@ -613,12 +609,16 @@ class Launched:
 class NextQemu:
     """A machine's next QEMU, started for a saved state in a folder of its own, since the
     machine's current QEMU, whose sockets have the same names, may still run meanwhile; `adopt`
-    moves it into the machine's folder. A restore starts it on a thread while it captures the
-    state the machine leaves: QEMU's start (0.09-0.17 s here) then overlaps that capture
-    (0.08-0.2 s). One never adopted (its command was killed) is ended by end_stray_qemu.
+    moves it into the machine's folder. It loads the state and gives the guest the machine's
+    identity there, before it is adopted: a restore starts it on a thread while it captures
+    the state the machine leaves, so that capture (0.1-0.2 s in the agent loop) overlaps
+    QEMU's start (0.05-0.2 s), the load (0.04-0.09 s) and the guest's first answers, which a
+    just-loaded TCG guest gives slowly (0.1-0.15 s). The two guests share no file they write,
+    and the new one has no network until it is adopted (its filter starts then). One never
+    adopted (its command was killed) is ended by end_stray_qemu.
 
     The memory image is held against release from the cache (ramcache.starting) from before
-    QEMU maps it until `release_image`."""
+    QEMU maps it until the load."""
 
     def __init__(self, machine: Machine, state_of: Callable[[], SavedState], vmgenid: str,
                  background: bool) -> None:
@@ -629,6 +629,7 @@ class NextQemu:
         self._top: Path | None = None
         self._launched: Launched | None = None
         self._error: BaseException | None = None
+        self._discarding = False
         self._thread = threading.Thread(target=self._start, name="rewind-next-qemu", daemon=True) \
             if background else None
         if self._thread is None:
@@ -638,9 +639,12 @@ class NextQemu:
 
     def _start(self) -> None:
         try:
-            self._launched = self._launch()
+            launched = self._launched = self._launch()
+            self._run(launched)
         except BaseException as e:  # raised by wait(), on the caller's thread
             self._error = e
+        finally:
+            self._held.close()
 
     def _launch(self) -> Launched:
         m, state = self._machine, self._state_of()
@@ -659,6 +663,26 @@ class NextQemu:
         self.run_dir.mkdir()
         return Launched(state, self._top, launch(spec, self.run_dir, log_dir=m.path))
 
+    def _run(self, launched: Launched) -> None:
+        """Load the saved state into the started QEMU (its memory file mapped copy-on-write,
+        its device state loaded, its disk layers below a new top layer), then give the guest
+        the machine's identity."""
+        from rewind.engine.snapshot import incoming
+
+        m = self._machine
+        with Monitor(self.run_dir / QMP_SOCKET) as mon, \
+                incoming(launched.state, m.record.memory_mib << 20) as stream:
+            mon.load_incoming(stream, str(launched.state.devstate))
+        self._held.close()  # QEMU maps its memory as it starts
+
+        def alive() -> None:
+            if self._discarding:
+                raise RewindError("the next QEMU was discarded")
+            if not process_alive(launched.pid, m.record.uuid):
+                raise MachineDied(f"machine {m.name!r}: QEMU exited while starting "
+                                  f"(see {m.path / QEMU_LOG})")
+        m.apply_identity(self.run_dir, alive, connect_timeout=30)
+
     def _hold(self, state: SavedState) -> Path | None:
         """Hold the state's memory images against release (ramcache.starting); the first of
         its files that is gone, if one is."""
@@ -672,11 +696,11 @@ class NextQemu:
         return missing
 
     def wait(self) -> Launched:
-        """The started QEMU; if it could not be started, what stopped it is raised here and
-        what it left is removed."""
+        """The QEMU, running the state; if it could not be started, what stopped it is raised
+        here and what it left is removed."""
         if self._thread is not None:
             self._thread.join()
-        if self._launched is None:
+        if self._launched is None or self._error is not None:
             self.discard()
             raise self._error or RewindError("the next QEMU was not started")
         return self._launched
@@ -690,11 +714,9 @@ class NextQemu:
         self.run_dir.rmdir()
         return launched.pid
 
-    def release_image(self) -> None:
-        self._held.close()
-
     def discard(self) -> None:
         """End it if it started, and remove what it made: for a caller that will not run it."""
+        self._discarding = True  # a guest that is slow to answer is not waited for
         if self._thread is not None:
             self._thread.join()
         if self._launched is not None:
@@ -702,7 +724,7 @@ class NextQemu:
         if self._top is not None:
             self._top.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        self.release_image()
+        self._held.close()
 
 
 def _remove_deleted(folder: Path, disk_dir: Path) -> None:
