@@ -204,7 +204,8 @@ class Store:
         staged: list[tuple[Path, str]] = []  # new chunks written to tmp/, and where they go
         offset = 0
         start = f.tell() if regular else 0
-        data_at = -1  # in a regular file: the next offset that may hold data, as last looked up
+        # In a regular file: where the next data starts and ends, as last looked up (relative).
+        data_at, data_end = -1, -1
 
         def settle(limit: int) -> None:  # collect finished chunks, keeping at most `limit` in flight
             while len(pending) > limit:
@@ -217,8 +218,8 @@ class Store:
             while total is None or offset < total:
                 i = len(chunks)
                 want = cs if total is None else min(cs, total - offset)
-                if regular and i not in unchanged and data_at < offset:
-                    data_at = _next_data(f, start + offset) - start
+                if regular and i not in unchanged and data_end <= offset:
+                    data_at, data_end = (edge - start for edge in _next_data(f, start + offset))
                 if i in unchanged:
                     assert known is not None and total is not None  # checked by put_blob
                     # A run at once: memory images are 8,192 chunks, most of them unchanged,
@@ -642,15 +643,19 @@ def _regular_size(f: BinaryIO) -> int | None:
         return None
 
 
-def _next_data(f: BinaryIO, pos: int) -> int:
-    """The first position at or after `pos` that may hold data: a sparse file's holes (where
-    the engine's RAM images keep zero pages) need not be read. Leaves f at `pos`."""
+def _next_data(f: BinaryIO, pos: int) -> tuple[int, int]:
+    """Where the first stretch at or after `pos` that may hold data starts and ends: a sparse
+    file's holes (where the engine's RAM images keep zero pages) need not be read. One look
+    per stretch, not per chunk: a dense 1 GiB image cost 17,000 lseeks, a commit's
+    CPU (0.43 s under a profiler). Leaves f at `pos`."""
+    fd = f.fileno()
     try:
-        found = os.lseek(f.fileno(), pos, os.SEEK_DATA)
+        found = os.lseek(fd, pos, os.SEEK_DATA)
+        end = os.lseek(fd, found, os.SEEK_HOLE)  # a file ends in a hole, so there is one
     except OSError as e:  # ENXIO: nothing but holes up to the end; else the file system cannot tell
-        found = sys.maxsize if e.errno == errno.ENXIO else pos
+        found, end = (sys.maxsize, sys.maxsize) if e.errno == errno.ENXIO else (pos, sys.maxsize)
     f.seek(pos)
-    return found
+    return found, end
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes:
