@@ -44,6 +44,7 @@ from rewind.engine.netrules import NetworkRules
 from rewind.engine.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
+    CONSOLE_LOG,
     CONSOLE_SOCKET,
     PID_FILE,
     QEMU_LOG,
@@ -420,7 +421,7 @@ class Machine:
             r.disks = [*(str(d) for d in state.disks), str(launched.top)]
             r.ram, r.ram_point, r.vmgenid = str(state.ram), state.ram_point, nxt.vmgenid
             with self._launching(nxt.adopt):
-                pass
+                pass  # its guest runs already: nothing to do while the filter starts
         except BaseException:
             nxt.discard()
             raise
@@ -435,12 +436,14 @@ class Machine:
         with self._launching(lambda: launch(spec, self.path)):
             self.apply_identity(self.path, self._check_starting, connect_timeout=BOOT_TIMEOUT)
 
-    def _check_starting(self) -> None:
-        """check_alive for a machine still being started (its record is not yet 'running')."""
+    def _check_starting(self, pid: int | None = None) -> None:
+        """check_alive for a QEMU still being started (its record is not yet 'running'): the
+        machine's, or `pid`, a next QEMU not yet adopted (see NextQemu)."""
         r = self.record
-        if r.pid is None or not process_alive(r.pid, r.uuid):
+        pid = r.pid if pid is None else pid
+        if pid is None or not process_alive(pid, r.uuid):
             raise MachineDied(f"machine {r.name!r}: QEMU exited while starting "
-                              f"(see {self.path / 'console.log'})")
+                              f"(see {self.path / QEMU_LOG} and {self.path / CONSOLE_LOG})")
 
     def apply_identity(self, run_dir: Path, alive: Callable[[], None], connect_timeout: float) -> None:
         """Give the guest of the QEMU in `run_dir` this machine's identity, a fresh seed for
@@ -678,9 +681,7 @@ class NextQemu:
         def alive() -> None:
             if self._discarding:
                 raise RewindError("the next QEMU was discarded")
-            if not process_alive(launched.pid, m.record.uuid):
-                raise MachineDied(f"machine {m.name!r}: QEMU exited while starting "
-                                  f"(see {m.path / QEMU_LOG})")
+            m._check_starting(launched.pid)
         m.apply_identity(self.run_dir, alive, connect_timeout=30)
 
     def _hold(self, state: SavedState) -> Path | None:
