@@ -20,6 +20,7 @@ from rewind.store.model import is_int
 # one goes unanswered, and another wakes the agent.
 HELLO_RETRY_FIRST = 0.05
 HELLO_RETRY_MAX = 1.0
+CONNECT_TIMEOUT = 30.0  # a session waits this long for the agent's hello (a guest still booting)
 HEARTBEAT_AFTER = 2.0  # ping the agent after this much silence during a request
 ALIVE_EVERY = 1.0  # while waiting out the grace, check on QEMU and the agent's ports this often
 HEARTBEAT_GRACE = 30.0  # and declare it gone after this much more (TCG guests on a busy host are slow)
@@ -68,7 +69,7 @@ class AgentClient:
     """
 
     def __init__(self, socket_path: Path, alive: Callable[[], None] = lambda: None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self._path = socket_path
         self._alive = alive
         self._connect_timeout = connect_timeout
@@ -226,11 +227,14 @@ class AgentClient:
     def exec(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stdin: bytes | None = None, max_output: int | None = None,
              on_stdout: OutputCallback | None = None,
-             on_stderr: OutputCallback | None = None) -> ExecResult:
+             on_stderr: OutputCallback | None = None, deadline: float | None = None) -> ExecResult:
+        """Run `argv` to its end. Past `deadline` (monotonic; by default `timeout` plus
+        EXEC_DEADLINE_GRACE from now) the call returns timed out, whatever the guest does."""
         cap = DEFAULT_MAX_OUTPUT if max_output is None else max_output
         request: dict = {"t": "exec", "argv": argv, "cwd": cwd, "env": env or {}, "timeout": timeout,
                          "stdin": stdin is not None, "max_output": cap}
-        deadline = None if timeout is None else time.monotonic() + timeout + EXEC_DEADLINE_GRACE
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout + EXEC_DEADLINE_GRACE
         self._request(request)
         if stdin is not None:
             for at in range(0, len(stdin), CHUNK):

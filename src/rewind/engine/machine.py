@@ -36,7 +36,7 @@ from rewind.engine import (
     netfilter,
     ramcache,
 )
-from rewind.engine.agent import AgentClient
+from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.migstream import has_configuration
@@ -303,7 +303,7 @@ class Machine:
     # ---- sessions ----
 
     @contextmanager
-    def agent(self, connect_timeout: float = 30.0) -> Iterator[AgentClient]:
+    def agent(self, connect_timeout: float = CONNECT_TIMEOUT) -> Iterator[AgentClient]:
         """A session with the guest agent, on the first free agent port."""
         what = f"machine {self.name!r}"
         self.reload()
