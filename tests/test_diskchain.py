@@ -14,6 +14,7 @@ from invariants import unrecorded_processes
 from rewind import Home, Sandbox
 from rewind.engine import diskchain
 from rewind.engine.machine import Engine
+from rewind.engine.qcow2 import Chain
 
 
 def _files_qemu_opens(sbx: Sandbox) -> int:
@@ -40,6 +41,8 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
     Engine(home).settle()
     assert diskchain.usage(home)["files"] >= 1, "no merged file was made"
     _same_blocks(sbx, home)
+    merged_diff = [(c.path, c.kind) for c in sbx.diff(points[0]).files]
+    assert ("/root/last", "modified") in merged_diff and ("/root/f1", "added") in merged_diff
     sbx.restore(points[-1])
     layers = len(sbx._machine.record.disks)
     assert _files_qemu_opens(sbx) <= layers - diskchain.MERGE_AFTER
@@ -47,6 +50,7 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
     sbx.exec("echo -n more > /root/f0", check=True)
     after = sbx.checkpoint(wait=True)
     shutil.rmtree(diskchain.folder(home))  # a cache: without it, the whole chain is opened
+    assert [(c.path, c.kind) for c in sbx.diff(points[0], points[-1]).files] == merged_diff
     sbx.restore(after)
     assert _files_qemu_opens(sbx) == len(sbx._machine.record.disks)
     assert sbx.files.read_text("/root/f0") == "more"
@@ -58,13 +62,18 @@ def test_a_deep_chain_runs_from_a_merged_file_with_the_same_disk(home: Home) -> 
 
 
 def _same_blocks(sbx: Sandbox, home: Home) -> None:
-    """The merged chain QEMU would open reads, block for block, as the whole chain does."""
+    """The merged chain QEMU would open reads, block for block, as the whole chain does; so
+    does rewind's own reader (a diff's) given the merged files."""
     frozen = [Path(d) for d in sbx._machine.record.disks[:-1]]
-    opened = [path for _, path in diskchain.for_qemu(frozen, home)]
+    opened = diskchain.reading_files(frozen, home)
     assert len(opened) < len(frozen)
     images = [f"json:{json.dumps(diskchain.blockdev(chain))}" for chain in (frozen, opened)]
     compared = subprocess.run(["qemu-img", "compare", "-U", *images], capture_output=True, text=True)
     assert compared.returncode == 0, compared.stdout + compared.stderr
+    with Chain(frozen) as whole, Chain(frozen, reading=opened) as merged:
+        size = 1 << whole.cluster_bits
+        held = set().union(*(layer.clusters() for layer in whole.layers[1:]))
+        assert held and all(whole.read(c * size, size) == merged.read(c * size, size) for c in held)
 
 
 def test_unused_merged_files_beyond_the_kept_ones_are_removed(tmp_path: Path) -> None:

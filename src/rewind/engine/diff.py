@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rewind.engine import gueststate, pending
+from rewind.engine import diskchain, gueststate, pending
 from rewind.engine.checkpoint import Caches, layer_path
 from rewind.engine.filediff import Disk, FileChange, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.locks import file_lock
@@ -129,7 +129,8 @@ def content(engine: Engine, store: Store, before: str | Point, after: str | Poin
 @contextmanager
 def _side(engine: Engine, store: Store, which: str | Point | Machine,
           relative_to: str | None) -> Iterator[_Side]:
-    cache = IndexCache(own=engine.home.root / "cache" / "fileindex", image=engine.home.images / "fileindex")
+    cache = IndexCache(own=engine.home.root / "cache" / "fileindex", image=engine.home.images / "fileindex",
+                       merged=lambda chain: diskchain.reading_files(chain, engine.home))
     if isinstance(which, Machine):
         with _live(which, cache) as side:
             yield side

@@ -80,6 +80,11 @@ def for_qemu(chain: list[Path], home: Home) -> list[tuple[int, Path]]:
     return list(enumerate(chain))
 
 
+def reading_files(chain: list[Path], home: Home) -> list[Path]:
+    """The files a reader on the host opens for a chain of frozen layers: QEMU's."""
+    return [path for _, path in for_qemu(chain, home)]
+
+
 def merge_if_deep(chain: list[Path], home: Home) -> Path | None:
     """Write the merged file for the frozen `chain` if it has grown MERGE_AFTER layers past
     its longest merged prefix (and another process is not writing it already); the file

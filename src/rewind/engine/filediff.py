@@ -18,7 +18,7 @@ import bisect
 import contextlib
 import fnmatch
 import marshal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,10 +229,12 @@ def changed_inodes(a: Ext4View, b: Ext4View, blocks: set[int]) -> set[int]:
 @dataclass(frozen=True)
 class IndexCache:
     """Where directory indexes are kept: those of the image's own layers apart, beside the
-    image, so that every home using it finds them."""
+    image, so that every home using it finds them. `merged` gives the files that read as a
+    chain of frozen layers (diskchain.reading_files: merged ones where there are)."""
 
     own: Path
     image: Path
+    merged: Callable[[list[Path]], list[Path]] = list
 
     def folder(self, layers: int) -> Path:
         return self.image if layers <= _BASE_LAYERS else self.own
@@ -247,7 +249,7 @@ class Disk:
         self.ids = [LayerId.of(p) for p in layers]
         self.frozen = frozen
         self.cache = cache
-        self.chain = Chain(layers)
+        self.chain = self._chain(len(layers))
         try:
             self.view = Ext4View(self.chain)
             self.index = self._index()
@@ -257,6 +259,11 @@ class Disk:
 
     def close(self) -> None:
         self.chain.close()
+
+    def _chain(self, n: int) -> Chain:
+        """The first n layers, open, read through merged files where there are."""
+        frozen = min(n, self.frozen)
+        return Chain(self.paths[:n], [*self.cache.merged(self.paths[:frozen]), *self.paths[frozen:n]])
 
     def _key(self, n: int) -> Path:
         return _index_path(self.ids[:n], self.cache)
@@ -292,7 +299,7 @@ class Disk:
         else:
             # The image's own layers, walked whole (a machine's top layer is never frozen).
             k = max(min(self.frozen, _BASE_LAYERS, n), 1)
-            with Chain(self.paths[:k]) as prefix:
+            with self._chain(k) as prefix:
                 view = self.view if k == n else Ext4View(prefix)
                 index = _walk(view)
             if k <= self.frozen:
@@ -306,7 +313,7 @@ class Disk:
     def _advance(self, index: Index, k: int) -> Index:
         """The index of all layers, from that of the first k: the directories whose inodes or
         entries changed in the layers above are read again."""
-        with Chain(self.paths[:k]) as prefix:
+        with self._chain(k) as prefix:
             below = Ext4View(prefix)
             blocks = changed_blocks(self.view, [(self.chain, k)], index.replayed | self.view.replayed)
             changed = changed_inodes(below, self.view, blocks) | index.dirs_in(blocks)
