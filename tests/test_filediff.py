@@ -108,3 +108,21 @@ def test_a_file_that_is_not_qcow2_is_refused(tmp_path: Path) -> None:
     (tmp_path / "raw").write_bytes(b"\0" * 4096)
     with pytest.raises(LayerError, match="not a qcow2 file"):
         Chain([tmp_path / "raw"])
+
+
+def test_an_index_brought_up_to_date_names_every_inode_as_one_made_whole(
+        disks: tuple[Path, Path], tmp_path: Path) -> None:
+    """A running machine's index is its frozen layers' with the changed directories read
+    again; which entries name each inode is updated with them, not made again."""
+    cache = IndexCache(own=tmp_path / "own", image=tmp_path / "image")
+    Disk([disks[0]], 1, cache).close()
+    b = Disk(list(disks), 1, cache)  # its top layer live: its index is the base's, advanced
+    try:
+        whole = filediff.Index(b.index.dirs, b.index.runs, b.index.replayed)
+        def by_inode(index: filediff.Index) -> dict[int, list[tuple[int, str]]]:
+            return {ino: sorted(entries) for ino, entries in index.parents().items()}
+        assert by_inode(b.index) == by_inode(whole)
+        assert sorted(b.index.paths(b.index.resolve("/keep.txt"))) == ["/a/hard", "/keep.txt"]
+        assert b.index.resolve("/a/x.txt") is None
+    finally:
+        b.close()
