@@ -98,3 +98,19 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def flip_stored_byte(store_root: Path, h: str) -> None:
+    """Damage chunk `h` where the store keeps it: one byte in the middle of its frame, in its
+    pack or its own file."""
+    from rewind.store.packs import read_index
+
+    places = [(pack, at, n) for pack in (store_root / "packs").glob("*.pack")
+              for found, at, n in read_index(pack) if found == h]
+    loose = store_root / "chunks" / h[:2] / h
+    path, at, n = places[0] if places else (loose, 0, loose.stat().st_size)
+    with open(path, "r+b") as f:
+        f.seek(at + n // 2)
+        byte = f.read(1)
+        f.seek(at + n // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))

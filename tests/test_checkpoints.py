@@ -15,6 +15,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+from conftest import flip_stored_byte
 
 from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
@@ -179,10 +180,7 @@ def test_a_corrupt_chunk_is_found_and_refused(home: Home) -> None:
     store = Store.open(home.store)
     manifest = store.get(point.id)
     victim = next(h for h in manifest.blobs["devstate"].chunks if h)
-    path = home.store / "chunks" / victim[:2] / victim
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_stored_byte(home.store, victim)
     report = store.check(read_data=True)
     assert not report.ok and any(victim in p for p in report.problems)
     for cached in (home.root / "cache" / "devstate").iterdir():

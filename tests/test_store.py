@@ -22,9 +22,11 @@ from pathlib import Path
 
 import blake3
 import pytest
+from conftest import flip_stored_byte
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rewind.store.packs as packs_module
 import rewind.store.store as store_module
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.snapshot import SavedState
@@ -40,10 +42,10 @@ from rewind.store import (
     StoreBusy,
     StoreError,
     UnknownCheckpoint,
-    durable,
     export_checkpoint,
     import_checkpoint,
 )
+from rewind.store.packs import read_index
 
 CS = 4096  # small chunks keep the tests fast; the code does not care
 
@@ -61,7 +63,13 @@ def store(tmp_path: Path) -> Store:
 
 
 def chunk_files(store: Store) -> set[str]:
-    return {p.name for p in (store.root / "chunks").glob("*/*")}
+    """The chunks stored, loose or packed."""
+    return {p.name for p in (store.root / "chunks").glob("*/*")} | \
+        {h for pack in packs(store) for h, _, _ in read_index(pack)}
+
+
+def packs(store: Store) -> list[Path]:
+    return sorted((store.root / "packs").glob("*.pack"))
 
 
 def rand(n: int, seed: int = 0) -> bytes:
@@ -283,10 +291,7 @@ def test_a_flipped_byte_in_a_chunk_is_found_and_refused(store: Store, tmp_path: 
     store.commit("m", {"ram": blob})
     victim = blob.chunks[2]
     assert victim is not None
-    path = store.root / "chunks" / victim[:2] / victim
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(raw)
+    flip_stored_byte(store.root, victim)
     assert store.check().ok  # without reading data only presence is checked
     report = store.check(read_data=True)
     assert not report.ok and report.checkpoints == 1 and report.chunks == 4
@@ -295,8 +300,30 @@ def test_a_flipped_byte_in_a_chunk_is_found_and_refused(store: Store, tmp_path: 
     with pytest.raises(CorruptChunk, match=victim):
         store.materialize(blob, tmp_path / "restored")
     assert sorted(os.listdir(tmp_path)) == ["store"], "a partial file was left behind"
-    path.unlink()
+    for pack in packs(store):
+        pack.unlink()
     assert "is missing" in store.check().problems[0]
+
+
+def test_a_damaged_pack_is_reported_skipped_and_kept(store: Store, tmp_path: Path) -> None:
+    """A pack whose trailer is not one: check says so and its chunks are missing; gc removes
+    nothing of it (what it holds cannot be known); the other packs read on."""
+    kept = store.commit("m", {"ram": put(store, rand(2 * CS, seed=5))})
+    hurt = store.commit("m", {"ram": put(store, rand(2 * CS, seed=6))})
+    [pack] = [p for p in packs(store) if {h for h, _, _ in read_index(p)} == hurt.hashes()]
+    with open(pack, "r+b") as f:
+        f.seek(-16, os.SEEK_END)
+        f.write(b"NOPE")
+    fresh = Store.open(store.root)
+    problems = fresh.check().problems
+    assert f"pack {pack.name} is damaged: its trailer is not one" in problems
+    assert sum("is missing" in p for p in problems) == 2
+    with pytest.raises(CorruptChunk, match="is missing"):
+        fresh.materialize(hurt.blobs["ram"], tmp_path / "hurt")
+    assert materialized(fresh, kept.blobs["ram"], tmp_path) == rand(2 * CS, seed=5)
+    fresh.delete(hurt.id)
+    fresh.gc()
+    assert pack.exists()
 
 
 def test_a_damaged_manifest_is_reported_and_stops_gc(store: Store) -> None:
@@ -528,7 +555,8 @@ def test_gc_frees_what_nothing_uses_and_keeps_what_history_uses(store: Store, tm
     child = store.commit("m", {"ram": put(store, shared + rand(2 * CS, seed=2))}, parent=base)
     leaf = store.commit("other", {"ram": put(store, shared + rand(3 * CS, seed=3))})
     leaf_only = leaf.hashes() - child.hashes()
-    leaf_bytes = sum((store.root / "chunks" / h[:2] / h).stat().st_size for h in leaf_only)
+    [leaf_pack] = [p for p in packs(store) if {h for h, _, _ in read_index(p)} == leaf_only]
+    leaf_bytes = leaf_pack.stat().st_size
     (store.root / "tmp" / "left-by-a-crash.tmp").write_bytes(b"x" * 100)
     store.delete(leaf.id)
     store.delete(base.id)  # still in child's history
@@ -538,7 +566,28 @@ def test_gc_frees_what_nothing_uses_and_keeps_what_history_uses(store: Store, tm
     assert chunk_files(store) == child.all_hashes()
     assert materialized(store, store.get("~1", relative_to=child).blobs["ram"], tmp_path) == shared
     store.delete(child.id)
-    assert store.gc().chunks_removed == 6 and chunk_files(store) == set()
+    assert store.gc().chunks_removed == 6 and chunk_files(store) == set() and packs(store) == []
+
+
+def test_gc_writes_a_mostly_unused_pack_again_with_what_is_used(store: Store, tmp_path: Path) -> None:
+    """A pack more than half unused is written again with its used chunks alone (the new one
+    durable before the old one goes); one mostly used is kept whole."""
+    data = rand(4 * CS, seed=4)
+    whole = store.commit("m", {"ram": put(store, data)})
+    part = store.commit("m", {"ram": put(store, data[:CS])})  # its one chunk is in whole's pack
+    [first] = packs(store)
+    first_size = first.stat().st_size
+    store.delete(whole.id)
+    report = store.gc()
+    assert (report.chunks_removed, report.packs_rewritten) == (3, 1)
+    [kept] = packs(store)
+    assert not first.exists() and report.bytes_freed == first_size - kept.stat().st_size
+    assert chunk_files(store) == part.hashes()
+    assert materialized(store, part.blobs["ram"], tmp_path) == data[:CS]
+    again = store.commit("m", {"ram": put(store, data[:2 * CS])})
+    store.gc()  # one chunk of two unused: kept whole
+    assert store.delete(part.id) and store.gc().chunks_removed == 0 and kept.exists()
+    assert materialized(store, again.blobs["ram"], tmp_path) == data[:2 * CS]
 
 
 # -- opening -------------------------------------------------------------------------------------
@@ -584,20 +633,24 @@ def test_a_durable_materialize_syncs_before_the_name_appears(store: Store, tmp_p
 
 
 def test_new_chunks_are_durable_before_they_are_named(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunk in chunks/ is trusted whole: put_blob syncs the file system before renaming new
-    chunks into place, and again before it returns (so before any manifest names them)."""
+    """A pack in packs/ is trusted whole: put_blob fsyncs each new pack before renaming it into
+    place, and the folder before it returns (so before any manifest names its chunks)."""
     events: list[str] = []
-    real_sync, real_rename = durable.sync_filesystem, os.rename
-    monkeypatch.setattr(store_module, "sync_filesystem", lambda p: (events.append("sync"), real_sync(p))[1])
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}"),
+                                                 real_fsync(fd))[1])
     def rename(a: str, b: str) -> None:
-        if "chunks" in Path(b).parts:  # not the store's own lock notes
-            events.append("rename")
+        if "packs" in Path(b).parts:  # not the store's own lock notes
+            events.append(f"rename {b}")
         real_rename(a, b)
     monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(packs_module, "PACK_SIZE", CS)  # a pack a chunk
     store.put_blob(BytesIO(os.urandom(2 * CS)))
-    assert events == ["sync", "rename", "rename", "sync"]
+    assert [e.split()[0] for e in events] == ["fsync", "fsync", "rename", "rename", "fsync"]
+    assert all(e.endswith(".pack.tmp") for e in events[:2]) and events[4] == f"fsync {store.root / 'packs'}"
+    assert {e.split()[1] for e in events[2:4]} == {str(p) for p in packs(store)}
     events.clear()
-    store.put_blob(BytesIO(bytes(2 * CS)))  # nothing new: nothing to sync
+    store.put_blob(BytesIO(bytes(2 * CS)))  # nothing new: nothing to write
     assert events == []
 
 
@@ -605,9 +658,8 @@ def test_only_the_owner_reads_the_store(store: Store) -> None:
     """Chunks and manifests hold guest memory: no group or other bits (nor on the store)."""
     blob = store.put_blob(BytesIO(os.urandom(2 * CS)))
     manifest = store.commit("m", {"ram": blob})
-    files = [store.root / "checkpoints" / f"{manifest.id}.json",
-             *(p for p in (store.root / "chunks").rglob("*") if p.is_file())]
-    assert len(files) == 3
+    files = [store.root / "checkpoints" / f"{manifest.id}.json", *packs(store)]
+    assert len(files) == 2
     assert all(p.stat().st_mode & 0o077 == 0 for p in [*files, store.root]), \
         [(p, oct(p.stat().st_mode)) for p in files]
 
@@ -625,6 +677,7 @@ def test_a_frozen_format_1_store_still_reads(tmp_path: Path) -> None:
     for folder in ("tmp", "locks"):  # git keeps no empty folders
         (root / folder).mkdir(exist_ok=True)
     store = Store.open(root)
+    assert json.loads((root / "config.json").read_text())["format"] == 2 and (root / "packs").is_dir()
     report = store.check(read_data=True)
     assert report.ok and (report.checkpoints, report.chunks) == (2, 7), report
     second = store.get("second")
@@ -641,6 +694,9 @@ def test_a_frozen_format_1_store_still_reads(tmp_path: Path) -> None:
         store.materialize(store.get(ref).blobs[blob], out)
         assert hashlib.sha256(out.read_bytes()).hexdigest() == digest, (ref, blob)
     assert store.get("first").blobs["ram"].chunks[-2:] == [None, None]  # zero chunks are not stored
+    more = store.commit("frozen", {"ram": store.put_blob(BytesIO(os.urandom(4 << 12)), chunk_size=4096)},
+                        parent=second)  # upgraded: new chunks go into a pack beside the loose ones
+    assert len(packs(store)) == 1 and store.check(read_data=True).ok and store.get("~1", relative_to=more)
 
 
 def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:

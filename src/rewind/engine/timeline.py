@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PointMeta:
-    """What a point says of the machine it was: a checkpoint's `meta` (docs/format.md §2.5).
+    """What a point says of the machine it was: a checkpoint's `meta` (docs/format.md §2.6).
     The store keeps it as a JSON object; the engine reads it only through this record."""
 
     memory_mib: int

@@ -15,8 +15,9 @@
 - **Reading.** A reference not found here is looked up in the bucket: its manifests are
   copied here (they never change). A blob is materialised after the chunks this host lacks
   are fetched, in parallel, each checked against its hash.
-- **Budget.** After an upload, chunks past $REWIND_STORE_CACHE_MIB that no queued point
-  needs are removed here, oldest first; they come back from the bucket when needed.
+- **Budget.** After an upload, past $REWIND_STORE_CACHE_MIB, files of chunks (a loose one,
+  or a pack whole) holding none that a queued point needs are removed here, oldest first;
+  their chunks come back from the bucket when needed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from rewind.store.errors import (
 )
 from rewind.store.locks import held_file, store_lock
 from rewind.store.model import FORMAT, BlobIndex, CheckpointManifest
+from rewind.store.packs import PackError, read_index
 from rewind.store.remote import CONFIG, chunk_key, lock_notes, manifest_key, name_key, remote_lock
 from rewind.store.store import CheckReport, GcReport, Store
 
@@ -329,8 +331,10 @@ class CachedStore(Store):
 
     def fetch(self, hashes: Iterable[str]) -> int:
         """Bring here the chunks of `hashes` this host lacks, in parallel, each checked against
-        its hash, made durable before it takes its name (as put_blob does); the bytes fetched."""
-        missing = [h for h in set(hashes) if not os.path.exists(self._chunk_file(h))]
+        its hash, made durable before it takes its name (all synced, renamed, synced again: a
+        fetched chunk stays loose); the bytes fetched."""
+        self._packs.refresh()
+        missing = [h for h in set(hashes) if not self._has_chunk(h)]
         if not missing:
             return 0
         staged = _parallel(self._fetch_chunk, missing)
@@ -358,7 +362,7 @@ class CachedStore(Store):
             super().materialize(blob, dest, durable)
 
     def _read_stored(self, h: str) -> bytes:
-        if not os.path.exists(self._chunk_file(h)):
+        if not self._has_chunk(h):
             self.fetch([h])
         return super()._read_stored(h)
 
@@ -419,7 +423,7 @@ class CachedStore(Store):
             local = super().gc()
         chunks = sum(1 for key in dead if key.startswith("chunks/"))
         return GcReport(chunks_removed=chunks + local.chunks_removed, bytes_freed=freed + local.bytes_freed,
-                        tmp_removed=local.tmp_removed)
+                        tmp_removed=local.tmp_removed, packs_rewritten=local.packs_rewritten)
 
     def check(self, read_data: bool = False) -> CheckReport:
         """Check the store in the bucket: every manifest there parses and every chunk it uses
@@ -431,8 +435,9 @@ class CachedStore(Store):
             there = {info.key.rsplit("/", 1)[-1] for info in self.objects.list("chunks/")}
             paths = self._manifest_paths()
             problems, users = self._chunk_users(paths)
+            self._packs.refresh()
             for h, (user, manifest_id) in users.items():
-                if h not in there and not (manifest_id in queued and os.path.exists(self._chunk_file(h))):
+                if h not in there and not (manifest_id in queued and self._has_chunk(h)):
                     problems.append(f"chunk {h} is missing from {self.url} (used by {user})")
 
             def verify(h: str) -> str | None:
@@ -447,15 +452,11 @@ class CachedStore(Store):
         return CheckReport(checkpoints=len(paths), chunks=len(users), problems=problems)
 
     def trim(self) -> int:
-        """Keep this host's chunks within the budget: remove the oldest that no queued point
-        needs (the others are in the bucket). Skipped while the folder is in use. The count."""
+        """Keep this host's chunks within the budget: remove the oldest files (a loose chunk,
+        or a pack whole) holding none that a queued point needs (the others are in the
+        bucket). Skipped while the folder is in use. The chunks removed."""
         budget = int(os.environ.get(CACHE_ENV, DEFAULT_CACHE_MIB)) << 20
-        files = []
-        for folder in os.scandir(self._chunks):
-            for f in os.scandir(folder.path):
-                with suppress(FileNotFoundError):
-                    st = f.stat()
-                    files.append((st.st_mtime, st.st_size, f.name, f.path))
+        files = self._chunk_files()
         total = sum(size for _, size, _, _ in files)
         if total <= budget:
             return 0
@@ -466,16 +467,31 @@ class CachedStore(Store):
                 for checkpoint_id in self.queued():
                     with suppress(StoreError):
                         keep |= self._load_manifest(self._manifest_path(checkpoint_id)).all_hashes()
-                for _, size, name, path in sorted(files):
+                for _, size, held, path in sorted(files, key=lambda file: file[0]):
                     if total <= budget:
                         break
-                    if name not in keep:
+                    if held.isdisjoint(keep):
                         os.unlink(path)
                         total -= size
-                        removed += 1
+                        removed += len(held)
         except StoreBusy:
             pass
         return removed
+
+    def _chunk_files(self) -> list[tuple[float, int, set[str], str]]:
+        """Every file holding chunks here: (mtime, size, the chunks, path)."""
+        files = []
+        for folder in os.scandir(self._chunks):
+            for f in os.scandir(folder.path):
+                with suppress(FileNotFoundError):
+                    st = f.stat()
+                    files.append((st.st_mtime, st.st_size, {f.name}, f.path))
+        self._packs.refresh()
+        for pack in self._packs.packs():
+            with suppress(FileNotFoundError, PackError):
+                st = pack.stat()
+                files.append((st.st_mtime, st.st_size, {h for h, _, _ in read_index(pack)}, str(pack)))
+        return files
 
     def status(self) -> RemoteStatus:
         try:

@@ -1,22 +1,26 @@
 """The checkpoint store: named binary blobs kept as deduplicated chunks, and checkpoint
 manifests that say which chunks make up each blob. It knows nothing of QEMU.
 
-Layout of a store directory:
+Layout of a store directory (docs/format.md is the contract):
 
-    config.json                 {"format": 1, "chunk_size": 262144}
-    chunks/ab/<hash>            a chunk: a zstd frame of a blob's slice, named by the blake3
-                                hex digest of the uncompressed slice; all-zero slices are not stored
+    config.json                 {"format": 2, "chunk_size": 262144}
+    packs/<16 hex>.pack         chunks written by put_blob, many to a file, with their index at
+                                its end (packs.py)
+    chunks/ab/<hash>            a loose chunk (imports, a bucket's chunks fetched, stores of
+                                format 1); a chunk is a zstd frame of a blob's slice, named by
+                                the blake3 hex digest of the uncompressed slice; all-zero
+                                slices are not stored
     checkpoints/<id>.json       a manifest (model.py), written last and atomically
     locks/                      store.lock (flock) and the holders' notes (locks.py)
     tmp/                        files being written; what a crash leaves here, gc removes
 
 Discipline after restic's repository: files are written to tmp/, made durable and only then
-renamed into place, so a crash leaves nothing half-visible. A blob's new chunks are written to
-tmp/ together, made durable by one syncfs, renamed into chunks/, and the renames made durable
-by another, all before put_blob returns; a manifest (fsync'ed, renamed, its folder fsync'ed)
-comes after the blobs it names. A chunk present in chunks/ is therefore whole, and is
-trusted as such. Adding takes the lock shared, gc and prune take it exclusively; check and
-gc are first-class operations.
+renamed into place, so a crash leaves nothing half-visible. A blob's new chunks go into packs
+written in tmp/, each fsync'ed, renamed into packs/ and that folder fsync'ed, all before
+put_blob returns; a manifest (fsync'ed, renamed, its folder fsync'ed) comes after the blobs it
+names. A chunk present in a pack or in chunks/ is therefore whole, and is trusted as such.
+Adding takes the lock shared, gc and prune take it exclusively; check and gc are first-class
+operations.
 """
 
 from __future__ import annotations
@@ -49,13 +53,12 @@ from rewind.store.disk import (
     encode_chunk,
     worker_pool,
 )
-from rewind.store.durable import fsync_dir, fsync_fd, os_errors, sync_filesystem, write_tmp
+from rewind.store.durable import fsync_dir, fsync_fd, os_errors, write_tmp
 from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
 from rewind.store.locks import live_holders, names_lock, store_lock
 from rewind.store.model import (
     BACK_REF,
     DEFAULT_HISTORY,
-    FORMAT,
     BlobIndex,
     CheckpointManifest,
     check_ref,
@@ -63,9 +66,13 @@ from rewind.store.model import (
     validate_labels,
     validate_name,
 )
+from rewind.store.packs import Packer, PackIndex, read_index
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
-_DIRS = ("chunks", "checkpoints", "locks", "tmp")
+# Store format: 2 adds packs/ (format 1 stores are upgraded when opened: their loose chunks
+# stay as they are). Manifests keep their own format (model.FORMAT).
+STORE_FORMAT = 2
+_DIRS = ("chunks", "packs", "checkpoints", "locks", "tmp")
 _HEX = re.compile(r"[0-9a-fA-F]+")
 
 Progress = Callable[[int, int | None], None]
@@ -87,11 +94,13 @@ class CheckReport:
 
 @dataclass
 class GcReport:
-    """What gc() removed: unreferenced chunks, and files left in tmp/ by interrupted writes."""
+    """What gc() removed: unreferenced chunks, and files left in tmp/ by interrupted writes;
+    and how many packs it wrote again without their unused chunks."""
 
     chunks_removed: int
     bytes_freed: int
     tmp_removed: int
+    packs_rewritten: int = 0
 
 
 def new_checkpoint_id() -> str:
@@ -108,6 +117,7 @@ class Store:
         self.lock_timeout = lock_timeout
         self._tmp = root / "tmp"
         self._chunks = os.fspath(root / "chunks")
+        self._packs = PackIndex(root / "packs")
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, chunk_size={self.chunk_size})"
@@ -138,14 +148,16 @@ class Store:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StoreError(f"the checkpoint store at {root} is damaged: "
                              f"config.json is unreadable ({e})") from e
-        if version != FORMAT:
+        if version not in (1, STORE_FORMAT):
             raise StoreError(f"the checkpoint store at {root} has format {version!r}, which this rewind "
-                             f"does not know (it knows {FORMAT})")
+                             f"does not know (it knows 1 and {STORE_FORMAT})")
         if not _valid_chunk_size(chunk_size):
             raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
-        missing = [d for d in _DIRS if not (root / d).is_dir()]
+        missing = [d for d in _DIRS if not (root / d).is_dir() and (d, version) != ("packs", 1)]
         if missing:
             raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
+        if version == 1:
+            _upgrade(root, chunk_size)
         if lock_timeout is None:
             lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
         if (root / "remote.json").exists():  # the cache of a store in a bucket
@@ -198,10 +210,22 @@ class Store:
 
     def _put(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
              unchanged: Container[int], regular: bool, cs: int) -> BlobIndex:
+        packer = Packer(self._tmp, self.root / "packs")
+        try:
+            blob = self._chunked(f, total, progress, known, unchanged, regular, cs, packer)
+            packer.finish()
+        except BaseException:
+            packer.abort()
+            raise
+        self._packs.refresh()
+        return blob
+
+    def _chunked(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
+                 unchanged: Container[int], regular: bool, cs: int, packer: Packer) -> BlobIndex:
+        """The blob's index; its new chunks handed to `packer`, in order."""
         zero = bytes(cs)
         chunks: list[str | None] = []
-        pending: deque[tuple[int, Future[tuple[str, Path | None]]]] = deque()
-        staged: list[tuple[Path, str]] = []  # new chunks written to tmp/, and where they go
+        pending: deque[tuple[int, Future[tuple[str, bytes | None]]]] = deque()
         offset = 0
         start = f.tell() if regular else 0
         # In a regular file: where the next data starts and ends, as last looked up (relative).
@@ -210,10 +234,11 @@ class Store:
         def settle(limit: int) -> None:  # collect finished chunks, keeping at most `limit` in flight
             while len(pending) > limit:
                 i, future = pending.popleft()
-                chunks[i], tmp = future.result()
-                if tmp is not None:
-                    staged.append((tmp, self._chunk_file(chunks[i])))
+                chunks[i], frame = future.result()
+                if frame is not None:
+                    packer.add(chunks[i], frame)
 
+        self._packs.refresh()
         with worker_pool() as pool:
             while total is None or offset < total:
                 i = len(chunks)
@@ -250,20 +275,17 @@ class Store:
                 if progress is not None:
                     progress(offset, total)
             settle(0)
-        if staged:
-            sync_filesystem(self._tmp)
-            for tmp, path in staged:
-                os.rename(tmp, path)
-            sync_filesystem(self._tmp)
         return BlobIndex(size=offset, chunk_size=cs, chunks=chunks)
 
-    def _store_chunk(self, data: bytes) -> tuple[str, Path | None]:
-        """Hash a chunk and, unless the store has it, write it to tmp/ (not yet durable: see
-        the module's docstring); its hash, and the file written if any."""
+    def _store_chunk(self, data: bytes) -> tuple[str, bytes | None]:
+        """Hash a chunk and, unless the store has it, compress it: its hash, and its frame to
+        write if new."""
         h = chunk_hash(data)
-        if os.path.exists(self._chunk_file(h)):
-            return h, None
-        return h, write_tmp(self._tmp, encode_chunk(data), sync=False)
+        return h, None if self._has_chunk(h) else encode_chunk(data)
+
+    def _has_chunk(self, h: str) -> bool:
+        """In a pack known (refresh first) or loose."""
+        return h in self._packs or os.path.exists(self._chunk_file(h))
 
     def commit(self, machine: str, blobs: dict[str, BlobIndex],
                parent: str | CheckpointManifest | None = None, name: str | None = None,
@@ -311,9 +333,10 @@ class Store:
         """The stored size of each chunk; refuses if any is missing (a gc may have run between
         put_blob and commit)."""
         sizes, missing = {}, []
+        self._packs.refresh()
         for h in hashes:
             try:
-                sizes[h] = os.stat(self._chunk_file(h)).st_size
+                sizes[h] = self._packs.length(h) if h in self._packs else os.stat(self._chunk_file(h)).st_size
             except FileNotFoundError:
                 missing.append(h)
         if missing:
@@ -439,7 +462,8 @@ class Store:
     def has_chunks(self, blob: BlobIndex, known: AbstractSet[str] = frozenset()) -> bool:
         """True if every chunk `blob` needs is in the store (its bytes are not checked); those
         in `known` are taken to be."""
-        return all(os.path.exists(self._chunk_file(h)) for h in blob.hashes() - known)
+        self._packs.refresh()
+        return all(self._has_chunk(h) for h in blob.hashes() - known)
 
     def _chunk_file(self, h: str) -> str:
         return f"{self._chunks}/{h[:2]}/{h}"  # a str: pathlib's parsing shows up when done per chunk
@@ -448,13 +472,16 @@ class Store:
         return Path(self._chunk_file(h))
 
     def _read_stored(self, h: str) -> bytes:
-        """A chunk's file as stored (compressed)."""
-        try:
-            return self._chunk_path(h).read_bytes()
-        except FileNotFoundError as e:
-            raise CorruptChunk(f"chunk {h} is missing from the store") from e
-        except OSError as e:
-            raise CorruptChunk(f"chunk {h} cannot be read: {e.strerror}") from e
+        """A chunk's frame as stored (compressed), from its pack or its own file."""
+        for looked_again in (False, True):
+            try:
+                return self._packs.read(h) if h in self._packs else self._chunk_path(h).read_bytes()
+            except FileNotFoundError:  # packed since this store looked, or its pack rewritten by a gc
+                if not looked_again:
+                    self._packs.refresh()
+            except OSError as e:
+                raise CorruptChunk(f"chunk {h} cannot be read: {e.strerror}") from e
+        raise CorruptChunk(f"chunk {h} is missing from the store")
 
     def _load_chunk(self, h: str) -> bytes:
         return decode_chunk(h, self._read_stored(h))
@@ -484,12 +511,14 @@ class Store:
         with os_errors("check the store"), self.lock(operation="check"):
             paths = self._manifest_paths()
             problems, users = self._chunk_users(paths)
+            self._packs.refresh()
+            problems += self._packs.damaged.values()
 
             def verify(h: str) -> str | None:
                 try:
                     if read_data:
                         self._load_chunk(h)
-                    elif not self._chunk_path(h).is_file():
+                    elif not self._has_chunk(h):
                         raise CorruptChunk(f"chunk {h} is missing from the store")
                 except CorruptChunk as e:
                     return f"{e} (used by {users[h][0]})"
@@ -564,13 +593,47 @@ class Store:
                     freed += path.stat().st_size
                     path.unlink()
                     chunks += 1
+            packed, packed_freed, rewritten = self._gc_packs(live)
+            chunks, freed = chunks + packed, freed + packed_freed
             tmp = 0
             for path in self._tmp.iterdir():
                 freed += path.stat().st_size
                 path.unlink()
                 tmp += 1
             live_holders(self.root / "locks")  # as a side effect, drops the notes of holders that died
-        return GcReport(chunks_removed=chunks, bytes_freed=freed, tmp_removed=tmp)
+        return GcReport(chunks_removed=chunks, bytes_freed=freed, tmp_removed=tmp, packs_rewritten=rewritten)
+
+    def _gc_packs(self, live: set[str]) -> tuple[int, int, int]:
+        """Packs with no live chunk removed; those mostly dead written again with their live
+        chunks alone (new pack durable first, then the old one removed). Chunks removed,
+        bytes freed, packs rewritten."""
+        chunks = freed = rewritten = 0
+        self._packs.refresh()
+        for pack in self._packs.packs():
+            entries = list(read_index(pack))
+            dead = [(h, at, n) for h, at, n in entries if h not in live]
+            if not dead:
+                continue
+            dead_bytes, size = sum(n for _, _, n in dead), pack.stat().st_size
+            if 2 * dead_bytes <= sum(n for _, _, n in entries):
+                continue  # mostly live: kept whole until more of it dies
+            if len(dead) < len(entries):
+                packer = Packer(self._tmp, pack.parent)
+                try:
+                    with open(pack, "rb", buffering=0) as f:
+                        for h, at, n in entries:
+                            if h in live:
+                                packer.add(h, os.pread(f.fileno(), n, at))
+                    size -= sum(p.stat().st_size for p in packer.finish())
+                except BaseException:
+                    packer.abort()
+                    raise
+                rewritten += 1
+            pack.unlink()
+            chunks, freed = chunks + len(dead), freed + size
+        fsync_dir(self.root / "packs")
+        self._packs.refresh()
+        return chunks, freed, rewritten
 
     def list(self) -> list[CheckpointManifest]:
         """All checkpoints, oldest first. A manifest that cannot be read is left out (check()
@@ -614,8 +677,19 @@ def _create(root: Path, chunk_size: int) -> None:
             (root / d).mkdir(parents=True, exist_ok=True)
         for i in range(256):  # made once here, so that adding a chunk never needs a mkdir
             (root / "chunks" / f"{i:02x}").mkdir(exist_ok=True)
-        config = json.dumps({"format": FORMAT, "chunk_size": chunk_size}).encode()
+        config = json.dumps({"format": STORE_FORMAT, "chunk_size": chunk_size}).encode()
         os.rename(write_tmp(root / "tmp", config), root / "config.json")  # last: it marks the store made
+        fsync_dir(root)
+
+
+def _upgrade(root: Path, chunk_size: int) -> None:
+    """A store of format 1 becomes one of format 2: packs/ is made, then config.json says so.
+    Its loose chunks stay as they are. Two processes doing it at once write the same."""
+    with os_errors(f"upgrade the checkpoint store at {root} to format {STORE_FORMAT}"):
+        (root / "packs").mkdir(exist_ok=True)
+        fsync_dir(root)
+        config = json.dumps({"format": STORE_FORMAT, "chunk_size": chunk_size}).encode()
+        os.rename(write_tmp(root / "tmp", config), root / "config.json")
         fsync_dir(root)
 
 

@@ -75,6 +75,7 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
     src = Path(in_path)
     staged: list[tuple[Path, Path]] = []  # (file in tmp/, its place in chunks/)
     with os_errors(f"import {src}"), store.lock(operation="import"):
+        store._packs.refresh()
         try:
             with open(src, "rb") as f:
                 reader = _Reader(f, src)
@@ -87,7 +88,7 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
                     h = reader.read(32).hex()
                     stored = reader.read(reader.length(_MAX_FRAME))
                     included.add(h)
-                    if not store._chunk_path(h).exists():
+                    if not store._has_chunk(h):
                         try:
                             decode_chunk(h, stored)
                         except CorruptChunk as e:
