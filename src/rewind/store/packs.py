@@ -21,6 +21,8 @@ import os
 import secrets
 import struct
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 from rewind.store.durable import fsync_dir, fsync_fd
@@ -42,7 +44,8 @@ class PackError(StoreError):
 
 class PackWriter:
     """A new pack in `folder` (the store's tmp/), written in aligned blocks: with O_DIRECT
-    where the file system takes it (tmpfs does not)."""
+    where the file system takes it (tmpfs does not). A full block is written by a thread of
+    its own while the next one fills (the writes were 0.65 s of a 1 GiB commit's 3 s)."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / f"{secrets.token_hex(8)}.pack.tmp"
@@ -53,9 +56,11 @@ class PackWriter:
             if e.errno != errno.EINVAL:
                 raise
             self._fd = os.open(self.path, flags, 0o600)
-        self._buffer = mmap.mmap(-1, _BUFFER)  # page-aligned, as O_DIRECT needs
+        self._buffers = [mmap.mmap(-1, _BUFFER), mmap.mmap(-1, _BUFFER)]  # page-aligned, as O_DIRECT needs
         self._fill = 0
         self._written = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="rewind-pack")
+        self._writing: Future[None] | None = None
         self.entries: list[tuple[str, int, int]] = []
 
     @property
@@ -73,15 +78,20 @@ class PackWriter:
         self._append(bytes(-(self.size + tail) % ALIGN))
         self._append(index + _TRAILER.pack(MAGIC, VERSION, len(index)))
         self._flush()
+        self._written_out()
         fsync_fd(self._fd, self.path)  # O_DIRECT writes data, not the file's new extents
         self.close()
         return self.path
 
     def close(self) -> None:
         if self._fd >= 0:
+            with suppress(OSError):  # closing after an error: that error is the one to raise
+                self._written_out()
+            self._writer.shutdown()
             os.close(self._fd)
             self._fd = -1
-            self._buffer.close()
+            for buffer in self._buffers:
+                buffer.close()
 
     def abort(self) -> None:
         self.close()
@@ -91,20 +101,33 @@ class PackWriter:
         view = memoryview(data)
         while view:
             n = min(len(view), _BUFFER - self._fill)
-            self._buffer[self._fill:self._fill + n] = view[:n]
+            self._buffers[0][self._fill:self._fill + n] = view[:n]
             self._fill += n
             view = view[n:]
             if self._fill == _BUFFER:
                 self._flush()
 
     def _flush(self) -> None:
-        # Whole blocks only, except at the end, where finish() has padded to ALIGN.
-        done = 0
-        while done < self._fill:
-            with memoryview(self._buffer)[done:self._fill] as block:  # released even on an error
-                done += os.write(self._fd, block)
+        """Hand the filled block to the writing thread and fill the other one."""
+        self._written_out()
+        self._writing = self._writer.submit(_write_all, self._fd, self._buffers[0], self._fill)
+        self._buffers.reverse()
         self._written += self._fill
         self._fill = 0
+
+    def _written_out(self) -> None:
+        """Wait for the block being written; its error, if any, is raised here."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
+
+
+def _write_all(fd: int, buffer: mmap.mmap, length: int) -> None:
+    # Whole blocks only, except at the end, where finish() has padded to ALIGN.
+    done = 0
+    while done < length:
+        with memoryview(buffer)[done:length] as block:  # released even on an error
+            done += os.write(fd, block)
 
 
 def read_index(path: Path) -> Iterator[tuple[str, int, int]]:
