@@ -127,6 +127,20 @@ def test_round_trip_of_blobs_with_zero_runs_and_odd_sizes(shared_store: Store, t
     assert BlobIndex.from_json(blob.to_json()) == blob
 
 
+def test_an_open_file_is_stored_from_its_position_and_left_at_its_end(store: Store, tmp_path: Path) -> None:
+    """A file is mapped, not read: what is stored and where the file is left are as if read."""
+    data = rand(5 * CS + 100, seed=7)
+    (tmp_path / "src").write_bytes(data)
+    with open(tmp_path / "src", "rb") as f:
+        f.seek(CS + 3)
+        blob = store.put_blob(f)
+        assert f.tell() == len(data)
+    assert materialized(store, blob, tmp_path) == data[CS + 3:]
+    with open(tmp_path / "src", "rb") as f:
+        f.seek(CS)
+        assert store.put_blob(f, size=2 * CS) == put(store, data[CS:3 * CS]) and f.tell() == 3 * CS
+
+
 @given(old=st.lists(st.sampled_from([None, "a" * 64, "b" * 64]), max_size=20),
        new=st.lists(st.sampled_from([None, "a" * 64, "c" * 64]), max_size=20))
 def test_blob_index_json_is_exact_alone_and_against_a_newer_one(old: list[str | None],

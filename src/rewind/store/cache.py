@@ -55,7 +55,7 @@ from rewind.store.errors import (
 )
 from rewind.store.locks import held_file, store_lock
 from rewind.store.model import FORMAT, BlobIndex, CheckpointManifest
-from rewind.store.packs import PackError, read_index
+from rewind.store.packs import read_index
 from rewind.store.remote import CONFIG, chunk_key, lock_notes, manifest_key, name_key, remote_lock
 from rewind.store.store import CheckReport, GcReport, Store
 
@@ -488,7 +488,7 @@ class CachedStore(Store):
                     files.append((st.st_mtime, st.st_size, {f.name}, f.path))
         self._packs.refresh()
         for pack in self._packs.packs():
-            with suppress(FileNotFoundError, PackError):
+            with suppress(FileNotFoundError, StoreError):
                 st = pack.stat()
                 files.append((st.st_mtime, st.st_size, {h for h, _, _ in read_index(pack)}, str(pack)))
         return files

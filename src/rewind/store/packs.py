@@ -20,6 +20,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -36,10 +37,6 @@ _BUFFER = 4 << 20  # written in blocks of this size (a multiple of ALIGN)
 _TRAILER = struct.Struct(">4sIQ")
 _ENTRY = struct.Struct(">32sQI")
 MAX_INDEX = 16 << 20  # a trailer claiming more is damage, not a pack
-
-
-class PackError(StoreError):
-    """A pack whose trailer or index cannot be read."""
 
 
 class PackWriter:
@@ -131,26 +128,26 @@ def _write_all(fd: int, buffer: mmap.mmap, length: int) -> None:
 
 
 def read_index(path: Path) -> Iterator[tuple[str, int, int]]:
-    """A pack's (hash, offset, length) entries, from its trailer; PackError if it is damaged."""
+    """A pack's (hash, offset, length) entries, from its trailer; StoreError if it is damaged."""
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < _TRAILER.size:
-                raise PackError(f"pack {path.name} is damaged: too short for a trailer")
+                raise StoreError(f"pack {path.name} is damaged: too short for a trailer")
             trailer = os.pread(f.fileno(), _TRAILER.size, size - _TRAILER.size)
             magic, version, length = _TRAILER.unpack(trailer)
             if magic != MAGIC or version != VERSION or length % _ENTRY.size or not \
                     length <= min(MAX_INDEX, size - _TRAILER.size):
-                raise PackError(f"pack {path.name} is damaged: its trailer is not one")
+                raise StoreError(f"pack {path.name} is damaged: its trailer is not one")
             raw = os.pread(f.fileno(), length, size - _TRAILER.size - length)
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise PackError(f"pack {path.name} cannot be read: {e.strerror}") from e
+        raise StoreError(f"pack {path.name} cannot be read: {e.strerror}") from e
     end = size - _TRAILER.size - length
     for digest, at, n in _ENTRY.iter_unpack(raw):
         if at + n > end:
-            raise PackError(f"pack {path.name} is damaged: an entry points past its data")
+            raise StoreError(f"pack {path.name} is damaged: an entry points past its data")
         yield digest.hex(), at, n
 
 
@@ -164,23 +161,25 @@ class PackIndex:
         self._where: dict[str, tuple[str, int, int]] = {}
         self._seen: set[str] = set()
         self.damaged: dict[str, str] = {}  # pack name -> what is wrong with it (check reports it)
+        self._looking = threading.Lock()  # materialize's threads may look again at once
 
     def refresh(self) -> None:
         """Take in the packs named since the last look; start over if any known one is gone."""
-        names = {e.name: e.path for e in os.scandir(self.folder) if e.name.endswith(".pack")}
-        if not self._seen <= names.keys():
-            self._where, self._seen, self.damaged = {}, set(), {}
-        for name in names.keys() - self._seen - self.damaged.keys():
-            try:
-                found = list(read_index(Path(names[name])))
-            except FileNotFoundError:
-                continue  # removed by a gc meanwhile
-            except PackError as e:
-                self.damaged[name] = str(e)
-                continue
-            self._seen.add(name)
-            for h, at, n in found:
-                self._where.setdefault(h, (names[name], at, n))
+        with self._looking:
+            names = {e.name: e.path for e in os.scandir(self.folder) if e.name.endswith(".pack")}
+            if not self._seen <= names.keys():
+                self._where, self._seen, self.damaged = {}, set(), {}
+            for name in names.keys() - self._seen - self.damaged.keys():
+                try:
+                    found = list(read_index(Path(names[name])))
+                except FileNotFoundError:
+                    continue  # removed by a gc meanwhile
+                except StoreError as e:
+                    self.damaged[name] = str(e)
+                    continue
+                self._seen.add(name)
+                for h, at, n in found:
+                    self._where.setdefault(h, (names[name], at, n))
 
     def packs(self) -> list[Path]:
         return [self.folder / name for name in sorted(self._seen)]
