@@ -127,6 +127,18 @@ def test_round_trip_of_blobs_with_zero_runs_and_odd_sizes(shared_store: Store, t
     assert BlobIndex.from_json(blob.to_json()) == blob
 
 
+def test_blobs_put_within_one_packing_share_packs_named_when_it_ends(store: Store) -> None:
+    with store.packing():
+        a = store.put_blob(BytesIO(rand(2 * CS, seed=8)))
+        b = store.put_blob(BytesIO(rand(2 * CS, seed=9)))
+        assert packs(store) == [] and not store.has_chunks(a)  # not durable yet: not named
+    assert len(packs(store)) == 1 and store.has_chunks(a) and store.has_chunks(b)
+    with pytest.raises(RuntimeError, match="midway"), store.packing():
+        store.put_blob(BytesIO(rand(CS, seed=10)))
+        raise RuntimeError("midway")
+    assert len(packs(store)) == 1 and not list((store.root / "tmp").iterdir())
+
+
 def test_an_open_file_is_stored_from_its_position_and_left_at_its_end(store: Store, tmp_path: Path) -> None:
     """A file is mapped, not read: what is stored and where the file is left are as if read."""
     data = rand(5 * CS + 100, seed=7)
@@ -728,6 +740,7 @@ def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:
     again = commit_capture(store, caches, point_id, state, machine="m", parent=None, name="p", labels=None,
                            meta={})
     assert again.id == first.id == point_id and [m.id for m in store.list()] == [point_id]
+    assert len(packs(store)) == 1  # memory and device state in one pack
 
 
 def test_history_is_shortened_to_what_a_reader_accepts(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

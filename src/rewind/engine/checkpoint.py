@@ -125,12 +125,13 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
                                           in_parent)
         if known is not None and ram_base is not None:
             meta = {**meta, "ram_base": ram_base}  # where its unchanged memory was taken from
-        blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known,
-                                       unchanged=unchanged),
-                 "devstate": store.put_blob(state.devstate)}
-        for i, layer in enumerate(state.disks):
-            blobs[f"disk.{i}"] = put_immutable(store, caches, layer, stored=in_parent,
-                                               cache_name=lambda blob: layer_path(caches, blob))
+        with store.packing():  # one pack for the point's new chunks, durable before the commit
+            blobs = {"ram": store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known,
+                                           unchanged=unchanged),
+                     "devstate": store.put_blob(state.devstate)}
+            for i, layer in enumerate(state.disks):
+                blobs[f"disk.{i}"] = put_immutable(store, caches, layer, stored=in_parent,
+                                                   cache_name=lambda blob: layer_path(caches, blob))
         common = {"name": name, "labels": labels, "meta": {**meta, "layers": len(state.disks)},
                   "history": history, "checkpoint_id": checkpoint_id}
         try:

@@ -124,6 +124,7 @@ class Store:
         self._tmp = root / "tmp"
         self._chunks = os.fspath(root / "chunks")
         self._packs = PackIndex(root / "packs")
+        self._shared: Packer | None = None  # set within packing()
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, chunk_size={self.chunk_size})"
@@ -182,6 +183,24 @@ class Store:
 
     # -- adding ---------------------------------------------------------------------------
 
+    @contextmanager
+    def packing(self) -> Iterator[Packer]:
+        """Within it, the new chunks of every put_blob go into the same packs, made durable
+        and named when it ends, not as each put_blob returns: commit the blobs after it. A
+        point's memory, device state and disk layer then make one pack, not three, each
+        fsync'ed, and the packs every reader indexes grow three times slower."""
+        packer = Packer(self._tmp, self.root / "packs")
+        self._shared = packer
+        try:
+            yield packer
+            packer.finish()
+        except BaseException:
+            packer.abort()
+            raise
+        finally:
+            self._shared = None
+        self._packs.refresh()
+
     def put_blob(self, source: str | os.PathLike[str] | BinaryIO, size: int | None = None,
                  progress: Progress | None = None, known: BlobIndex | None = None,
                  unchanged: Container[int] | None = None, chunk_size: int | None = None) -> BlobIndex:
@@ -218,15 +237,10 @@ class Store:
 
     def _put(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
              unchanged: Container[int], regular: bool, cs: int) -> BlobIndex:
-        packer = Packer(self._tmp, self.root / "packs")
-        try:
-            blob = self._chunked(f, total, progress, known, unchanged, regular, cs, packer)
-            packer.finish()
-        except BaseException:
-            packer.abort()
-            raise
-        self._packs.refresh()
-        return blob
+        if self._shared is not None:  # made durable when packing() ends
+            return self._chunked(f, total, progress, known, unchanged, regular, cs, self._shared)
+        with self.packing() as packer:
+            return self._chunked(f, total, progress, known, unchanged, regular, cs, packer)
 
     def _chunked(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
                  unchanged: Container[int], regular: bool, cs: int, packer: Packer) -> BlobIndex:
