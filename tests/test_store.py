@@ -22,7 +22,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from conftest import flip_stored_byte
+from conftest import flip_stored_byte, rewind_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -656,6 +656,17 @@ def test_a_durable_materialize_syncs_before_the_name_appears(store: Store, tmp_p
     events.clear()
     store.materialize(blob, tmp_path / "cached", durable=True)
     assert events == ["fsync", "rename cached"]
+
+
+def test_gc_on_the_command_line_says_what_it_wrote_again(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "store", create=True, chunk_size=CS)
+    data = rand(4 * CS, seed=11)
+    whole = store.commit("m", {"ram": put(store, data)})
+    store.commit("m", {"ram": put(store, data[:CS])})
+    store.delete(whole.id)
+    done = rewind_cli("gc", "--store", str(store.root))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().startswith("removed 3 chunk(s), 1 pack(s) written again without them, freed ")
 
 
 def test_new_chunks_are_durable_before_they_are_named(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -732,7 +732,9 @@ def gc(store_dir: str | None, as_json: bool) -> None:
         emit_json(dataclasses.asdict(report))
     else:
         freed = report.bytes_freed / (1 << 20)
-        click.echo(f"removed {report.chunks_removed} chunk(s), freed {freed:.1f} MiB")
+        packs = report.packs_rewritten
+        rewritten = f", {packs} pack(s) written again without them" if packs else ""
+        click.echo(f"removed {report.chunks_removed} chunk(s){rewritten}, freed {freed:.1f} MiB")
 
 
 @cli.group(name="store")
