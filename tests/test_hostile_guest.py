@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from invariants import wait_until
 
 from rewind import AgentGone, Home, RewindError, Sandbox
 from rewind.engine import agent, netfilter
 from rewind.engine.packetfilter import MAX_ATTEMPTS
+from rewind.engine.qemu import AGENT_CHARDEV
 from rewind.guest.agent import PORT_PREFIX
 
 DNS_QUESTIONS = 20_000
@@ -76,6 +78,30 @@ while True:
 '''.replace("PREFIX", PORT_PREFIX)
 
 
+# In the agent's place: holds every agent port open and never reads nor answers.
+MUTE_AGENT = r'''
+import os, time
+held = [os.open("/dev/" + dev, os.O_RDWR) for dev in sorted(os.listdir("/sys/class/virtio-ports"))
+        if open(f"/sys/class/virtio-ports/{dev}/name").read().strip().startswith("PREFIX")]
+while True:
+    time.sleep(60)
+'''.replace("PREFIX", PORT_PREFIX)
+
+
+def _swap_agent(sbx: Sandbox, source: str) -> None:
+    """Bind `source` over the agent on its read-only disk, then end the agent (and this exec
+    with it): init starts the new one in its place."""
+    sbx.files.write("/root/swapped.py", source)
+    with contextlib.suppress(RewindError):
+        sbx.exec("mount --bind /root/swapped.py /usr/lib/rewind/agent.py && pkill -f 'agent[.]py'", timeout=5)
+
+
+def _agent_ports_open(sbx: Sandbox) -> bool:
+    with sbx._machine.monitor() as mon:
+        return any(c.get("frontend-open") for c in mon.cmd("query-chardev")
+                   if c.get("label", "").startswith(AGENT_CHARDEV))
+
+
 def _rss_kib(pid: int | str, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -129,11 +155,7 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
     sbx = Sandbox.create("hostile", home=home)
     sbx.files.write("/root/f", "before")
     before = sbx.checkpoint()
-    sbx.files.write("/root/evil.py", EVIL_AGENT)
-    # Bound over the agent on its read-only disk, then the agent ended (and this exec with
-    # it): init starts the hostile one in its place.
-    with contextlib.suppress(RewindError):
-        sbx.exec("mount --bind /root/evil.py /usr/lib/rewind/agent.py && pkill -f 'agent[.]py'", timeout=5)
+    _swap_agent(sbx, EVIL_AGENT)
     host_peak = _rss_kib("self", "VmHWM")
     # The first calls also wait for init to start the hostile agent (Python on TCG: 11 s on a
     # busy CI host); they end at the same deadline, unanswered, until it runs.
@@ -150,4 +172,22 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
     assert grew < HOST_GROWTH_LIMIT_MIB, f"the rewind process grew by {grew:.1f} MiB"
     sbx.restore(before)  # the machine runs as it was before the swap
     assert sbx.files.read_text("/root/f") == "before"
+    assert sbx.exec("true").exit_code == 0
+
+
+def test_an_agent_that_never_answers_holds_no_call_past_its_deadline(
+        home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ports open, the host's hellos unanswered: a command with a timeout ends at the same
+    deadline as one the guest never ends (reaching the agent once had 30 s of its own)."""
+    monkeypatch.setattr(agent, "EXEC_DEADLINE_GRACE", DEADLINE_GRACE_S)
+    sbx = Sandbox.create("mute", home=home)
+    before = sbx.checkpoint()
+    _swap_agent(sbx, MUTE_AGENT)
+    wait_until(lambda: _agent_ports_open(sbx), "the mute agent to open its ports", timeout=120)
+    started = time.monotonic()
+    with pytest.raises(AgentGone, match="did not answer"):
+        sbx.exec("true", timeout=1)
+    took = time.monotonic() - started
+    assert took < 1 + DEADLINE_GRACE_S + 5, f"the call took {took:.0f} s"
+    sbx.restore(before)
     assert sbx.exec("true").exit_code == 0
