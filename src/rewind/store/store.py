@@ -71,8 +71,8 @@ from rewind.store.model import (
 from rewind.store.packs import Packer, PackIndex, read_index
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
-# Chunks go to the hashing threads in batches of this many bytes: a task per 64 KiB chunk
-# was 0.5 s of a 1 GiB commit's main thread in futures alone.
+# Chunks go to the hashing threads in batches of this many bytes: submitting a task per
+# 64 KiB chunk took 0.2 s of a 1 GiB commit's main thread (17,000 of them).
 BATCH_BYTES = 1 << 20
 # Store format: 2 adds packs/ (format 1 stores are upgraded when opened: their loose chunks
 # stay as they are). Manifests keep their own format (model.FORMAT).
@@ -518,7 +518,8 @@ class Store:
         for looked_again in (False, True):
             try:
                 return self._packs.read(h) if h in self._packs else self._chunk_path(h).read_bytes()
-            except FileNotFoundError:  # packed since this store looked, or its pack rewritten by a gc
+            except (FileNotFoundError, KeyError):
+                # Packed since this store looked, or its pack rewritten by a gc (the index too).
                 if not looked_again:
                     self._packs.refresh()
             except OSError as e:
