@@ -118,7 +118,7 @@ def test_an_index_brought_up_to_date_names_every_inode_as_one_made_whole(
     Disk([disks[0]], 1, cache).close()
     b = Disk(list(disks), 1, cache)  # its top layer live: its index is the base's, advanced
     try:
-        whole = filediff.Index(b.index.dirs, b.index.runs, b.index.replayed)
+        whole = filediff.Index(b.index.dirs, b.index.runs)
         def by_inode(index: filediff.Index) -> dict[int, list[tuple[int, str]]]:
             return {ino: sorted(entries) for ino, entries in index.parents().items()}
         assert by_inode(b.index) == by_inode(whole)

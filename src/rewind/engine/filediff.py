@@ -33,7 +33,7 @@ from rewind.store.durable import replace_durably
 NOISE = ("/var/log/*", "/var/cache/*", "/var/lib/apt/*", "/var/lib/dpkg/*", "/var/lib/systemd/*",
          "/var/lib/dhcp/*", "/tmp/*", "/var/tmp/*", "/root/.cache/*", "*/__pycache__/*",
          "/etc/hostname", "/etc/hosts", "/etc/machine-id", "*.rewind-tmp")
-_INDEX_VERSION = 2
+_INDEX_VERSION = 3
 _BASE_LAYERS = 2
 KEEP_INDEXES = 64  # the image's disk and its template's layer: shared by every machine of an image
 
@@ -66,19 +66,16 @@ def is_noise(path: str) -> bool:
 class Index:
     """A file system's directories: inode -> {name: inode}, and where each one's entries lie
     ([[first block, count]]: a directory is read again when its blocks change, even if its
-    inode did not); and the blocks its journal replay covered (they may differ from another
-    disk's without any layer saying so)."""
+    inode did not). The blocks a journal replay covered are the views' (changed_blocks)."""
 
     dirs: dict[int, dict[str, int]]
     runs: dict[int, list[list[int]]]
-    replayed: set[int]
     _parents: dict[int, list[tuple[int, str]]] | None = field(default=None, repr=False)
 
     def dump(self) -> bytes:
         """As kept in the cache: marshal, which loads an image's index in 5 ms where JSON took
         30 (it is this host's own derived data, rebuilt if it does not load)."""
-        return marshal.dumps({"version": _INDEX_VERSION, "dirs": self.dirs, "runs": self.runs,
-                              "replayed": sorted(self.replayed)})
+        return marshal.dumps({"version": _INDEX_VERSION, "dirs": self.dirs, "runs": self.runs})
 
     @classmethod
     def load(cls, raw: bytes) -> Index:
@@ -88,7 +85,7 @@ class Index:
         dirs, runs = data["dirs"], data["runs"]
         if not isinstance(dirs, dict) or not isinstance(runs, dict):
             raise ValueError("a damaged index")
-        return cls(dirs, runs, set(data["replayed"]))
+        return cls(dirs, runs)
 
     def dirs_in(self, blocks: set[int]) -> set[int]:
         """The directories with entries in any of these blocks."""
@@ -116,9 +113,9 @@ class Index:
                 self._link(d)
         return self._parents
 
-    def advanced(self, replayed: set[int]) -> Index:
+    def advanced(self) -> Index:
         """A copy to bring up to date with read_dir, sharing what it does not change."""
-        return Index(dict(self.dirs), dict(self.runs), set(replayed), dict(self.parents()))
+        return Index(dict(self.dirs), dict(self.runs), dict(self.parents()))
 
     def _link(self, d: int) -> None:
         if self._parents is not None:
@@ -200,7 +197,7 @@ def _trim(folder: Path, keep: int) -> None:
 
 
 def _walk(view: Ext4View) -> Index:
-    index = Index({}, {}, set(view.replayed))
+    index = Index({}, {})
     stack = [ROOT_INO]
     while stack:
         d = stack.pop()
@@ -340,7 +337,7 @@ class Disk:
             below = Ext4View(prefix)
             blocks = changed_blocks(below, self.view, [(self.chain, k)])
             changed = changed_inodes(below, self.view, blocks) | index.dirs_in(blocks)
-        index = index.advanced(self.view.replayed)
+        index = index.advanced()
         for ino in changed:
             index.read_dir(self.view, ino)
         return index
