@@ -11,15 +11,13 @@ import dataclasses
 import io
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
-from rewind.engine import agent as guest_agent
-from rewind.engine.agent import ExecResult
+from rewind.engine.agent import ExecResult, exec_deadline
 from rewind.engine.machine import Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import CommandFailed, InvalidArgument
@@ -245,13 +243,8 @@ class Sandbox:
         if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise InvalidArgument("env must map strings to strings")
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        # One deadline for the whole call, reaching the agent included: an agent that leaves
-        # the host's hellos unanswered does not hold the caller longer than one that never
-        # ends the command.
-        deadline = None if timeout is None else time.monotonic() + timeout + guest_agent.EXEC_DEADLINE_GRACE
-        connect_timeout = guest_agent.CONNECT_TIMEOUT if deadline is None \
-            else min(guest_agent.CONNECT_TIMEOUT, deadline - time.monotonic())
-        with self._machine.agent(connect_timeout) as client:
+        deadline = exec_deadline(timeout)
+        with self._machine.agent(deadline=deadline) as client:
             result = client.exec(argv, cwd=cwd, env=env, timeout=timeout, stdin=data, max_output=max_output,
                                  on_stdout=on_stdout, on_stderr=on_stderr, deadline=deadline)
         return checked(result, cmd, check)

@@ -30,6 +30,13 @@ DEFAULT_MAX_OUTPUT = 16 << 20  # per stream of one command
 EXEC_DEADLINE_GRACE = 30.0  # after a command's timeout, the guest has this long to report its end
 
 
+def exec_deadline(timeout: float | None) -> float | None:
+    """When a command given `timeout` is given up on, whatever the guest does (monotonic; None
+    without a timeout). It covers reaching the agent too: an agent that leaves the host's
+    hellos unanswered holds the caller no longer than one that never ends the command."""
+    return None if timeout is None else time.monotonic() + timeout + EXEC_DEADLINE_GRACE
+
+
 @dataclass(frozen=True)
 class ExecResult:
     """What a command did. A non-zero exit is a result, not an error."""
@@ -233,8 +240,8 @@ class AgentClient:
         cap = DEFAULT_MAX_OUTPUT if max_output is None else max_output
         request: dict = {"t": "exec", "argv": argv, "cwd": cwd, "env": env or {}, "timeout": timeout,
                          "stdin": stdin is not None, "max_output": cap}
-        if deadline is None and timeout is not None:
-            deadline = time.monotonic() + timeout + EXEC_DEADLINE_GRACE
+        if deadline is None:
+            deadline = exec_deadline(timeout)
         self._request(request)
         if stdin is not None:
             for at in range(0, len(stdin), CHUNK):

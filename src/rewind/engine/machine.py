@@ -303,8 +303,10 @@ class Machine:
     # ---- sessions ----
 
     @contextmanager
-    def agent(self, connect_timeout: float = CONNECT_TIMEOUT) -> Iterator[AgentClient]:
-        """A session with the guest agent, on the first free agent port."""
+    def agent(self, connect_timeout: float = CONNECT_TIMEOUT,
+              deadline: float | None = None) -> Iterator[AgentClient]:
+        """A session with the guest agent, on the first free agent port; reaching the agent
+        ends at `deadline` (monotonic, see agent.exec_deadline) if that comes first."""
         what = f"machine {self.name!r}"
         self.reload()
         self._finish_interrupted_restore()
@@ -314,7 +316,8 @@ class Machine:
             ports = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
             with any_free_lock(ports, timeout=LOCK_TIMEOUT, what=what) as port, \
                     AgentClient(self.path / agent_socket(port), alive=self._agent_silent,
-                                connect_timeout=connect_timeout) as client:
+                                connect_timeout=connect_timeout if deadline is None
+                                else min(connect_timeout, deadline - time.monotonic())) as client:
                 yield client
 
     def monitor(self) -> Monitor:

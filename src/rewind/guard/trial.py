@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rewind.engine.agent import ExecResult
+from rewind.engine.agent import ExecResult, exec_deadline
 from rewind.engine.machine import Engine, Machine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
@@ -86,9 +86,11 @@ class Outcome:
 def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> StepRun:
     """Run `command` under bash in `machine`; a guest that dies or loses its agent is an
     outcome to report, not an error of ours."""
+    deadline = exec_deadline(timeout)
     try:
-        with machine.agent() as agent:
-            return StepRun(command, agent.exec(["bash", "-c", command], cwd=cwd, timeout=timeout))
+        with machine.agent(deadline=deadline) as agent:
+            return StepRun(command, agent.exec(["bash", "-c", command], cwd=cwd, timeout=timeout,
+                                               deadline=deadline))
     except RewindError as e:
         return StepRun(command, None, str(e))
 
