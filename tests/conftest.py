@@ -83,11 +83,14 @@ def processes_using(paths: list[Path]) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-            targets += [line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
-                        if len(line.split(maxsplit=5)) == 6]
+            fds = list((entry / "fd").iterdir())
+            targets = [line.split(maxsplit=5)[-1] for line in (entry / "maps").read_text().splitlines()
+                       if len(line.split(maxsplit=5)) == 6]
         except OSError:
             continue  # gone meanwhile, or not ours to read
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed since the listing: a busy QEMU was missed whole
+                targets.append(os.readlink(fd))
         if any(t.startswith(roots) for t in targets):
             found.append(int(entry.name))
     return found
