@@ -10,8 +10,12 @@ import struct
 import subprocess
 import sys
 import threading
+from io import BytesIO
 from pathlib import Path
 
+import pytest
+
+from rewind.engine import migstream
 from rewind.engine.migstream import FILE_MAGIC, FILE_VERSION, split_stream, write_with_pages
 
 
@@ -21,7 +25,7 @@ def _split(tmp_path: Path, stream: bytes) -> tuple[dict, int]:
     ready_r, ready_w = os.pipe()
     ram = os.open(tmp_path / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
     proc = subprocess.Popen([sys.executable, "-m", "rewind.engine.migstream", str(read_end), str(ram), "ram0",
-                             str(tmp_path / "devstate"), str(tmp_path / "done"), str(ready_w)],
+                             *(str(tmp_path / name) for name in ("devstate", "done", "front")), str(ready_w)],
                             pass_fds=(read_end, ram, ready_w))
     for fd in (read_end, ram, ready_w):
         os.close(fd)
@@ -89,3 +93,63 @@ def test_pages_written_over_a_device_stream_read_back_as_written(tmp_path: Path)
     image[20 * page:21 * page] = bytes(page)  # not among the pages written
     assert got == bytes(image)
     assert (tmp_path / "devstate").read_bytes().endswith(devices)
+
+
+def _stream_of(tmp_path: Path, image: bytes, runs: list[tuple[int, int]]) -> bytes:
+    """A migration stream sending the pages `runs` ([first, last) page ranges, in this order)
+    of `image`, then a device state with no device in it."""
+    (tmp_path / "image").write_bytes(image)
+    (tmp_path / "saved").write_bytes(struct.pack(">II", FILE_MAGIC, FILE_VERSION) + b"\x04")
+    read_end, write_end = os.pipe()
+    fd = os.open(tmp_path / "image", os.O_RDONLY)
+    def write() -> None:
+        write_with_pages(tmp_path / "saved", "ram0", len(image), fd, runs, write_end)
+        os.close(write_end)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    with os.fdopen(read_end, "rb") as pipe:
+        stream = pipe.read()
+    writer.join()
+    os.close(fd)
+    return stream
+
+
+def test_the_front_told_covers_only_pages_already_written(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splitter tells how much of the image from its start is final, for a committer that
+    stores it meanwhile: never past a page still to come, even one sent ahead of its turn (a
+    page the guest wrote during the write-out), and all of it at the end."""
+    monkeypatch.setattr(migstream, "FRONT_STEP", 1)
+    page, pages = 4096, 64
+    image = b"".join(bytes([n]) * page if n % 3 else bytes(page) for n in range(pages))
+    order = [(0, 10), (40, 41), (20, 21), (10, 20), (21, 40), (41, pages)]
+    stream = _stream_of(tmp_path, image, order)
+    ram = os.open(tmp_path / "ram", os.O_RDWR | os.O_CREAT, 0o600)
+    told: list[int] = []
+
+    def tell(front: int) -> None:
+        assert os.fstat(ram).st_size == len(image)  # sized before any front is told
+        assert os.pread(ram, front, 0) == image[:front]
+        told.append(front)
+
+    with BytesIO(stream) as src, open(tmp_path / "devstate", "wb") as dst:
+        result = migstream.split_stream(src, "ram0", ram, dst, tell)
+    os.close(ram)
+    assert told == sorted(told) and told[-1] == len(image)
+    assert len([f for f in told if f < len(image)]) > 3  # told as it comes, not only at the end
+    assert result.pages_resent == 0
+    assert (tmp_path / "ram").read_bytes() == image
+
+
+def test_a_page_sent_twice_is_counted(tmp_path: Path) -> None:
+    """What a committer read below the front may be stale if a page comes again (a migration's
+    later pass): the result says so, and the committer reads the image again."""
+    image = bytes(range(256)) * 16 * 8
+    stream = _stream_of(tmp_path, image, [(0, 8), (3, 5)])
+    ram = os.open(tmp_path / "ram", os.O_RDWR | os.O_CREAT, 0o600)
+    with BytesIO(stream) as src, open(tmp_path / "devstate", "wb") as dst:
+        result = migstream.split_stream(src, "ram0", ram, dst)
+    os.close(ram)
+    assert result.pages_resent == 2
+    assert (tmp_path / "ram").read_bytes() == image

@@ -110,7 +110,8 @@ def test_file_descriptors_go_to_the_child_alone(runtime: Path, tmp_path: Path) -
     ready_r, ready_w = os.pipe()
     ram = os.open(tmp_path / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
     done = tmp_path / "done"
-    args = ["{fd0}", "{fd1}", "pc.ram", str(tmp_path / "devstate"), str(done), "{fd2}"]
+    args = ["{fd0}", "{fd1}", "pc.ram", str(tmp_path / "devstate"), str(done), str(tmp_path / "front"),
+            "{fd2}"]
     request = spawner.Request("split", args, wait=True)
     child = spawner.spawn(runtime, request, fds=(stream_r, ram, ready_w))
     for fd in (stream_r, ram, ready_w):

@@ -218,6 +218,40 @@ def test_chunks_said_unchanged_come_from_the_known_index_unread(store: Store, tm
         store.put_blob(BytesIO(bytes(9 * CS)), size=9 * CS, known=known, unchanged={8})
 
 
+def test_a_file_still_being_written_is_stored_up_to_its_front(store: Store, tmp_path: Path) -> None:
+    """With `written`, nothing above the front its writer tells is read, nor taken for a hole
+    (a hole there may be written yet): here the writer writes each chunk only when asked for
+    it, a few ahead of their turn, so a reader that did not wait would store zeros."""
+    n = 16
+    final = bytearray(n * CS)
+    for i in (1, 2, 5, 6, 9, 13, 15):
+        final[i * CS:(i + 1) * CS] = rand(CS, seed=i)
+    path = tmp_path / "src"
+    with path.open("wb") as f:
+        f.truncate(n * CS)  # at its full size from the start, all holes
+    done, asked = 0, []
+    ahead = {3: 13, 8: 9}  # asked for chunk 3, the writer also writes 13 (a page written early)
+
+    def written(want: int) -> int:
+        nonlocal done
+        asked.append(want)
+        with path.open("r+b") as f:
+            while done * CS < want:
+                for i in (done, ahead.get(done)):
+                    if i is not None and any(final[i * CS:(i + 1) * CS]):  # zeros stay holes
+                        f.seek(i * CS)
+                        f.write(final[i * CS:(i + 1) * CS])
+                done += 1
+        return done * CS
+
+    blob = store.put_blob(path, written=written)
+    assert materialized(store, blob, tmp_path) == bytes(final)
+    assert asked == sorted(asked) and asked[-1] == n * CS
+    assert [h is None for h in blob.chunks] == [not any(final[i * CS:(i + 1) * CS]) for i in range(n)]
+    with pytest.raises(InvalidArgument, match="regular file"):
+        store.put_blob(BytesIO(bytes(CS)), written=written)
+
+
 def test_a_short_source_is_refused(store: Store) -> None:
     with pytest.raises(StoreError, match="ended after 100 bytes; 5000 were expected"):
         store.put_blob(BytesIO(rand(100)), size=5000)

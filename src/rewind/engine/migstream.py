@@ -26,6 +26,7 @@ import re
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -70,6 +71,9 @@ class SplitResult:
     zero_pages: int
     devstate_bytes: int  # size of the stream kept
     cpu_s: float = 0.0  # CPU the splitter process used
+    # Pages the stream sent again after they were written (a migration's later pass): the
+    # front it told was wrong, so what was read below it must be read again.
+    pages_resent: int = 0
 
 
 class _Reader:
@@ -157,13 +161,50 @@ _BE32, _BE64 = struct.Struct(">I"), struct.Struct(">Q")
 _IOV_MAX = 1024
 
 
+# The front is told at most this often (in pages): 4 MiB, a few milliseconds of the stream.
+FRONT_STEP = (4 << 20) // PAGE_SIZE
+
+
+class _Front:
+    """Which pages of the main block are final in the image, and how much of the image from its
+    start is: told to `tell` (in bytes) every FRONT_STEP pages and at the end. A committer
+    stores memory up to the front while the rest is still coming (see pending.py): QEMU sends
+    RAM in address order, a page a guest writes meanwhile ahead of its turn, each page once."""
+
+    def __init__(self, tell: Callable[[int], None]) -> None:
+        self._tell = tell
+        self.pages = bytearray()  # 1 for a page written (or a hole that stays one)
+        self.front = self.told = 0  # in pages
+        self.resent = 0
+
+    def size(self, pages: int) -> None:
+        self.pages = bytearray(pages)
+
+    def mark(self, first: int, last: int) -> None:
+        """Pages [first, last) are final."""
+        if last > len(self.pages):
+            raise StreamError(f"a page at {last * PAGE_SIZE:#x} lies past the end of the RAM block")
+        self.resent += self.pages.count(1, first, last)
+        self.pages[first:last] = b"\x01" * (last - first)
+        if first <= self.front:
+            found = self.pages.find(0, self.front)
+            self.front = len(self.pages) if found < 0 else found
+            if self.front - self.told >= FRONT_STEP:
+                self.tell()
+
+    def tell(self) -> None:
+        self._tell(self.front * PAGE_SIZE)
+        self.told = self.front
+
+
 class _RunWriter:
     """Writes pages to the raw file, one pwritev per run of consecutive pages."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, front: _Front) -> None:
         self.fd = fd
         self.start = self.next = -1
         self.parts: list[memoryview | bytes] = []
+        self.front = front
 
     def page(self, addr: int, data: memoryview | bytes) -> None:
         if addr != self.next or len(self.parts) == _IOV_MAX:
@@ -175,6 +216,7 @@ class _RunWriter:
     def flush(self) -> None:
         if self.parts:
             os.pwritev(self.fd, self.parts, self.start)
+            self.front.mark(self.start // PAGE_SIZE, self.next // PAGE_SIZE)
             self.parts.clear()
         self.next = -1
 
@@ -200,6 +242,7 @@ def _main_block_run(r: _Reader, pages_out: _RunWriter, zeros: int, pages: int) -
         if flags == _CONTINUED_ZERO and buf[pos + 8] == 0:
             end = zero_run(buf, pos).end()  # matches: this record is one
             zeros += (end - pos) // 9
+            _mark_zero_run(buf, pos, end, pages_out.front)
             pos = end
         elif flags == _CONTINUED_PAGE:
             page(word & ~FLAGS_MASK, view[pos + 8 : pos + 8 + PAGE_SIZE])
@@ -211,11 +254,24 @@ def _main_block_run(r: _Reader, pages_out: _RunWriter, zeros: int, pages: int) -
     return zeros, pages
 
 
+def _mark_zero_run(buf: bytes, pos: int, end: int, front: _Front) -> None:
+    """Mark the zero pages of the records in buf[pos:end]: at once if their addresses follow
+    each other (the usual case), else one by one."""
+    first, last = (_BE64.unpack_from(buf, at)[0] // PAGE_SIZE for at in (pos, end - 9))
+    if last - first == (end - pos) // 9 - 1:
+        front.mark(first, last + 1)
+        return
+    for at in range(pos, end, 9):
+        page = _BE64.unpack_from(buf, at)[0] // PAGE_SIZE
+        front.mark(page, page + 1)
+
+
 def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
-                 devstate_out: BinaryIO) -> SplitResult:
+                 devstate_out: BinaryIO, front: Callable[[int], None] = lambda _: None) -> SplitResult:
     """Read a migration stream from `src`; write the pages of `ram_block` into the file
-    descriptor `ram_out` (which must be empty; zero pages are left as holes) and the
-    rest of the stream to `devstate_out`."""
+    descriptor `ram_out` (which must be empty; it is given the block's size first, and zero
+    pages are left as holes) and the rest of the stream to `devstate_out`. `front` is told,
+    in order, how many bytes of the image from its start are final (see _Front)."""
     r = _Reader(src)
     out = devstate_out
     kept = 0
@@ -244,7 +300,8 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
     put(r.read(8))  # instance id, version id
 
     ram_bytes = pages = zeros = 0
-    pages_out = _RunWriter(ram_out)
+    progress = _Front(front)
+    pages_out = _RunWriter(ram_out, progress)
     block = b""
     in_main = False
     section_type = SECTION_START
@@ -270,6 +327,8 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
                     total += length
                 if not ram_bytes:
                     raise StreamError(f"the stream has no RAM block named {ram_block!r}")
+                os.ftruncate(ram_out, ram_bytes)  # before any front is told (see follow_written)
+                progress.size(ram_bytes // PAGE_SIZE)
             if flags & (FLAG_ZERO | FLAG_PAGE):
                 if not flags & FLAG_CONTINUE:
                     block = r.read(r.u8())
@@ -279,6 +338,8 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
                     if in_main:
                         if fill != b"\0":
                             pages_out.page(addr, fill * PAGE_SIZE)
+                        else:
+                            progress.mark(addr // PAGE_SIZE, addr // PAGE_SIZE + 1)
                         zeros += 1
                     else:
                         put(struct.pack(">QB", addr | FLAG_ZERO, len(block)) + block + fill)
@@ -299,9 +360,11 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
             raise StreamError("a section of another device interrupts the RAM data")
         put(bytes([section_type]) + struct.pack(">I", ram_section))
     pages_out.flush()
+    progress.tell()
     put(r.rest())
     os.ftruncate(ram_out, ram_bytes)
-    return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept)
+    return SplitResult(ram_bytes=ram_bytes, pages_written=pages, zero_pages=zeros, devstate_bytes=kept,
+                       pages_resent=progress.resent)
 
 
 _RAM_SECTION = 0xFFFF0000  # a section id no device of a device-only save has
@@ -365,6 +428,26 @@ def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
             parts[i] = memoryview(parts[i])[done:]
 
 
+class _FrontFile:
+    """Tells a front as the size of a file (an atomic update its readers see whole), made on
+    the first: the file's existence says the memory file has its size."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, -1
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.tell
+
+    def __exit__(self, *_: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    def tell(self, front: int) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self.fd, front)
+
+
 def write_result(done: Path, result: dict) -> None:
     """Write a capture's result (a SplitResult's fields, or {"error": ...}) as `done`, whole:
     its waiters take the file's appearance for the end of the write-out."""
@@ -385,10 +468,11 @@ def has_configuration(devstate: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE READY_FD`: split the
-    stream QEMU writes into the pipe whose read end is FD (QEMU holds the write end: `migrate
-    fd:`), memory into the open file RAM_FD (made by the requester: see write_out_started).
-    One byte on READY_FD says it is ready to read.
+    """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE FRONT READY_FD`:
+    split the stream QEMU writes into the pipe whose read end is FD (QEMU holds the write end:
+    `migrate fd:`), memory into the open file RAM_FD (made by the requester: see
+    write_out_started). One byte on READY_FD says it is ready to read. FRONT is made once the
+    memory file has its size; its own size is then how much of that file is final (see _Front).
 
     It runs detached, so the split finishes even if the rewind process that asked for the
     checkpoint dies. Whatever goes wrong, it reads the pipe to its end: a QEMU 7.2 whose
@@ -396,7 +480,7 @@ def main(argv: list[str]) -> int:
     hangs for good. A requester that dies before QEMU has the write end leaves it no writer:
     the read ends at once. DONE is written last, atomically, with the result."""
     crashpoints.arm("split")
-    fd_in, ram_fd, block, devstate_out, done, ready = argv
+    fd_in, ram_fd, block, devstate_out, done, front, ready = argv
     source = PipeSource(int(fd_in))
     # The device state file is locked for as long as this process lives, from before it
     # appears under its name: a waiter that finds it unlocked and no result written knows
@@ -413,8 +497,8 @@ def main(argv: list[str]) -> int:
     os.write(int(ready), b"r")
     os.close(int(ready))
     try:
-        with open(out_fd, "wb", closefd=False) as dst:
-            result: dict = split_stream(source, block, int(ram_fd), dst).__dict__
+        with open(out_fd, "wb", closefd=False) as dst, _FrontFile(Path(front)) as tell:
+            result: dict = split_stream(source, block, int(ram_fd), dst, tell).__dict__
     except Exception as e:  # noqa: BLE001 - reported to the waiting rewind process
         result = {"error": f"{type(e).__name__}: {e}"}
         with contextlib.suppress(OSError):

@@ -35,6 +35,8 @@ from rewind.engine.snapshot import (
     CAPTURE_TIMEOUT,
     PageOverlay,
     SavedState,
+    follow_written,
+    front_file,
     splitter_ended,
     wait_written,
     write_out,
@@ -142,6 +144,7 @@ class CommitStats:
     split_cpu_s: float
     seconds: float  # from the capture until it was in the store
     version: int = 1
+    followed: bool = False  # its memory was stored as it was written out (see follow_written)
 
 
 def commit_stats_path(home: Home) -> Path:
@@ -349,24 +352,33 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         if point.parent is not None:
             for parent in (home.root / "pending").glob(f"*-{point.parent}.json"):
                 _commit(home, parent, report)
-        try:
-            _write_out(point)
-            split = point.wait_written()
-            missing = [f for f in (point.ram, point.devstate, *point.disks) if not Path(f).exists()]
-            if missing:  # the host restarted (tmpfs emptied), or someone removed them
-                raise StreamError(f"its captured files are gone ({missing[0]})")
-        except StreamError as e:
-            end_qemu(point)
-            _lose(home, path, point, str(e))
-            return
-        end_qemu(point)
         cpu_before = _process_cpu()
+        split: list[SplitResult] = []
+
+        def captured() -> SplitResult:
+            split.append(_captured(point))
+            return split[-1]
         try:
-            commit_capture(Store.open(point.store), Caches.of(home.root, home.runtime), point.id,
+            store = Store.open(point.store)
+            if _stored(store, point.id):  # by a committer killed before it forgot the journal
+                end_qemu(point)
+                _forget(path, point)
+                return
+            _write_out(point)
+            # Memory still being written out is stored as it comes (see follow_written).
+            ram_written = follow_written(Path(point.devstate), check=point.check_not_gone)
+            if ram_written is None:
+                captured()
+            commit_capture(store, Caches.of(home.root, home.runtime), point.id,
                            point.state, machine=point.machine, parent=surviving(home, point.parent),
                            name=point.name, labels=point.labels, meta=point.meta, history=point.history,
                            ram_base=point.ram_base, ram_changed=point.ram_changed,
-                           ram_base_file=point.ram_base_file, ram_base_inode=point.ram_base_inode)
+                           ram_base_file=point.ram_base_file, ram_base_inode=point.ram_base_inode,
+                           ram_written=ram_written, captured=captured)
+        except StreamError as e:  # the capture failed: nothing will ever store it
+            end_qemu(point)
+            _lose(home, path, point, str(e))
+            return
         except (RewindError, OSError) as e:
             if report:
                 raise StoreError(f"checkpoint {point.id[:12]} of {point.machine} is captured but not yet "
@@ -378,12 +390,32 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         with contextlib.suppress(OSError, RewindError):  # a cache: starts open the longer chain
             diskchain.merge_if_deep([Path(d) for d in point.disks], home)
         cpu = _process_cpu() - cpu_before
+        split_cpu = split[-1].cpu_s if split else 0.0  # none: stored by another committer meanwhile
         with contextlib.suppress(OSError):
             append_line(commit_stats_path(home), asdict(CommitStats(
-                id=point.id, cpu_s=round(cpu + split.cpu_s, 4), split_cpu_s=split.cpu_s,
-                seconds=round(time.time() - point.created, 3))))
+                id=point.id, cpu_s=round(cpu + split_cpu, 4), split_cpu_s=split_cpu,
+                seconds=round(time.time() - point.created, 3), followed=ram_written is not None)))
     finally:
         os.close(fd)
+
+
+def _stored(store: Store, point_id: str) -> bool:
+    try:
+        store.get(point_id)
+    except LookupError:
+        return False
+    return True
+
+
+def _captured(point: PendingCheckpoint) -> SplitResult:
+    """Wait until the capture's memory is all written and its files are there, then end the
+    QEMU it came from if it is to end; StreamError if it never will be."""
+    split = point.wait_written()
+    missing = [f for f in (point.ram, point.devstate, *point.disks) if not Path(f).exists()]
+    if missing:  # the host restarted (tmpfs emptied), or someone removed them
+        raise StreamError(f"its captured files are gone ({missing[0]})")
+    end_qemu(point)
+    return split
 
 
 def _process_cpu() -> float:
@@ -418,7 +450,8 @@ def end_qemu(point: PendingCheckpoint) -> None:
 
 
 def _forget(path: Path, point: PendingCheckpoint) -> None:
-    Path(point.done).unlink(missing_ok=True)
+    for result in (Path(point.done), front_file(Path(point.devstate))):
+        result.unlink(missing_ok=True)
     path.unlink()
 
 

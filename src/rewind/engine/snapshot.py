@@ -280,6 +280,12 @@ def _done_file(devstate_out: Path) -> Path:
     return devstate_out.with_name(devstate_out.name + ".done")
 
 
+def front_file(devstate_out: Path) -> Path:
+    """Where a capture's splitter tells how much of its memory image is final (migstream's
+    _Front); gone with the capture's result."""
+    return devstate_out.with_name(devstate_out.name + ".front")
+
+
 def populate(mon: Monitor, pid: int, memory_mib: int) -> None:
     """Have all guest memory of QEMU `pid` mapped while the guest runs. QEMU 7.2's background
     snapshot maps every page of memory before write-protecting it, with the guest stopped (we
@@ -350,13 +356,14 @@ class _Splitter:
 
     @classmethod
     def start(cls, ram_out: Path, devstate_out: Path) -> _Splitter:
-        _done_file(devstate_out).unlink(missing_ok=True)
+        for stale in (_done_file(devstate_out), front_file(devstate_out)):
+            stale.unlink(missing_ok=True)
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # a bigger pipe if this host allows it
             fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_SIZE)
         ram_fd = os.open(ram_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-        args = [RAM_BLOCK, str(devstate_out), str(_done_file(devstate_out))]
+        args = [RAM_BLOCK, str(devstate_out), str(_done_file(devstate_out)), str(front_file(devstate_out))]
         try:
             # Forked by the home's spawner (ram_out lies in its runtime folder's ram/, see
             # checkpoint.Caches) where it answers: a fresh Python took 0.07 s of CPU here,
@@ -396,14 +403,49 @@ def wait_written(done: Path, timeout: float = CAPTURE_TIMEOUT,
     raises if it never will be."""
     deadline = time.monotonic() + timeout
     while not done.exists():
-        check()
-        if time.monotonic() > deadline:
-            raise StreamError(f"the memory stream was not written within {timeout:.0f} s")
-        time.sleep(0.005)
+        _waited(check, deadline, timeout)
     result = json.loads(done.read_text())
     if "error" in result:
         raise StreamError(f"splitting the memory stream failed: {result['error']}")
     return SplitResult(**result)
+
+
+def follow_written(devstate: Path, timeout: float = CAPTURE_TIMEOUT,
+                   check: Callable[[], None] = lambda: None) -> Callable[[int], int] | None:
+    """For a capture whose memory is still being written out by its splitter: a function that
+    waits until the first n bytes of its image are final and returns how many are (all, once
+    the write-out has ended; StreamError if it failed), for a committer that stores memory as
+    it comes. None once the memory is all written, or if it never tells a front (a capture by
+    pages: its image is filled otherwise). Waits for one or the other; `check` raises if
+    neither will come."""
+    done, front = _done_file(devstate), front_file(devstate)
+    deadline = time.monotonic() + timeout
+    while not front.exists():
+        if done.exists():
+            return None
+        _waited(check, deadline, timeout)
+
+    def written(n: int) -> int:
+        while True:
+            try:
+                at = os.stat(front).st_size
+            except FileNotFoundError:
+                at = 0
+            if at >= n:
+                return at
+            if done.exists():
+                wait_written(done)  # raises if the write-out failed
+                return sys.maxsize
+            _waited(check, deadline, timeout)
+    return written
+
+
+def _waited(check: Callable[[], None], deadline: float, timeout: float) -> None:
+    """A poll's pause, after `check`; StreamError past `deadline`."""
+    check()
+    if time.monotonic() > deadline:
+        raise StreamError(f"the memory stream was not written within {timeout:.0f} s")
+    time.sleep(0.005)
 
 
 def _event_time(event: dict) -> float:

@@ -203,7 +203,8 @@ class Store:
 
     def put_blob(self, source: str | os.PathLike[str] | BinaryIO, size: int | None = None,
                  progress: Progress | None = None, known: BlobIndex | None = None,
-                 unchanged: Container[int] | None = None, chunk_size: int | None = None) -> BlobIndex:
+                 unchanged: Container[int] | None = None, chunk_size: int | None = None,
+                 written: Callable[[int], int] | None = None) -> BlobIndex:
         """Store a blob read from a file path or a binary file object (from its current
         position): `size` bytes, or up to its end. Chunks are hashed and compressed by a thread
         pool; all-zero chunks and chunks already present are not written.
@@ -214,6 +215,11 @@ class Store:
 
         `chunk_size` overrides the store's for this blob: smaller chunks for data whose
         changes are scattered (guest memory changes page by page) store less per change.
+
+        `written` is for a file still being written, at its full size already, in order from its
+        start but for a few parts ahead: `written(n)` returns once its first n bytes (from the
+        position) are final, with how many are. Nothing is read, nor taken for a hole, above
+        that: a writer's last bytes are stored as they come, not all after it ends.
 
         A file is mapped, not read: it must not shrink while it is put."""
         chunk_size = self.chunk_size if chunk_size is None else chunk_size
@@ -232,18 +238,22 @@ class Store:
             total = size if size is not None else left
             if unchanged is not None and total is None:
                 raise InvalidArgument("unchanged chunks need a source of known size: a file, or size=")
+            if written is not None and left is None:
+                raise InvalidArgument("a source still being written must be a regular file")
             return self._put(f, total, progress, known, unchanged or (), regular=left is not None,
-                             cs=chunk_size)
+                             cs=chunk_size, written=written)
 
     def _put(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
-             unchanged: Container[int], regular: bool, cs: int) -> BlobIndex:
+             unchanged: Container[int], regular: bool, cs: int,
+             written: Callable[[int], int] | None) -> BlobIndex:
         if self._shared is not None:  # made durable when packing() ends
-            return self._chunked(f, total, progress, known, unchanged, regular, cs, self._shared)
+            return self._chunked(f, total, progress, known, unchanged, regular, cs, written, self._shared)
         with self.packing() as packer:
-            return self._chunked(f, total, progress, known, unchanged, regular, cs, packer)
+            return self._chunked(f, total, progress, known, unchanged, regular, cs, written, packer)
 
     def _chunked(self, f: BinaryIO, total: int | None, progress: Progress | None, known: BlobIndex | None,
-                 unchanged: Container[int], regular: bool, cs: int, packer: Packer) -> BlobIndex:
+                 unchanged: Container[int], regular: bool, cs: int, written: Callable[[int], int] | None,
+                 packer: Packer) -> BlobIndex:
         """The blob's index; its new chunks handed to `packer`, in order."""
         chunks: list[str | None] = []
         batch: list[tuple[int, bytes | memoryview]] = []  # chunks to hash and compress, handed out together
@@ -255,6 +265,7 @@ class Store:
         mapped = _mapped(f) if regular else None
         # In a regular file: where the next data starts and ends, as last looked up (relative).
         data_at, data_end = -1, -1
+        final = sys.maxsize if written is None else 0  # how much of the source is final (relative)
 
         def settle(limit: int) -> None:  # collect finished batches, keeping at most `limit` in flight
             while len(pending) > limit:
@@ -274,8 +285,12 @@ class Store:
             while total is None or offset < total:
                 i = len(chunks)
                 want = cs if total is None else min(cs, total - offset)
+                if offset + want > final and i not in unchanged:
+                    assert written is not None  # final is only finite with it
+                    final = written(offset + want)
                 if regular and i not in unchanged and data_end <= offset:
-                    data_at, data_end = (edge - start for edge in _next_data(f, start + offset))
+                    # Past the final part, a hole may yet be written: looked up again there.
+                    data_at, data_end = (min(edge - start, final) for edge in _next_data(f, start + offset))
                 if i in unchanged:
                     assert known is not None and total is not None  # checked by put_blob
                     # A run at once: memory images are 8,192 chunks, most of them unchanged,
