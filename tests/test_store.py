@@ -386,6 +386,24 @@ def test_a_damaged_pack_is_reported_skipped_and_kept(store: Store, tmp_path: Pat
     assert pack.exists()
 
 
+def test_a_manifest_is_parsed_once_until_its_file_changes(store: Store,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Store keeps the manifests it read or wrote (a committer reads each point's parent,
+    most often the point it has just written): parsed again only if the file is another."""
+    point = store.commit("m", {"ram": put(store, rand(CS))})
+    parses = []
+    parse = CheckpointManifest.from_json
+    monkeypatch.setattr(CheckpointManifest, "from_json", lambda data: parses.append(1) or parse(data))
+    assert store.get(point.id) == point and parses == []  # written by this Store
+    other = Store.open(store.root)
+    assert other.get(point.id) == other.get(point.id) == point and len(parses) == 1
+    path = store.root / "checkpoints" / f"{point.id}.json"
+    copy = path.with_name("copy")
+    shutil.copyfile(path, copy)
+    os.replace(copy, path)  # the same manifest in another file
+    assert other.get(point.id) == point and len(parses) == 2
+
+
 def test_a_damaged_manifest_is_reported_and_stops_gc(store: Store) -> None:
     good = store.commit("m", {"ram": put(store, rand(CS))})
     bad = store.commit("m", {})

@@ -197,8 +197,9 @@ def start_committer(home: Home, journal: Path) -> None:
 def settle(home: Home, machine_uuid: str | None = None) -> list[str]:
     """Return once every pending checkpoint (of one machine, or all) is in its store. Returns
     what was lost since the last call (each lost point is reported once)."""
+    stores: dict[str, Store] = {}
     for path in journals(home, machine_uuid):
-        _commit(home, path, report=True)
+        _commit(home, path, report=True, stores=stores)
     return take_lost(home)
 
 
@@ -332,9 +333,11 @@ def wait_captured(home: Home, point: PendingCheckpoint) -> SavedState | None:
     return point.state
 
 
-def _commit(home: Home, path: Path, report: bool) -> None:
+def _commit(home: Home, path: Path, report: bool, stores: dict[str, Store]) -> None:
     """Commit the journal at `path` unless someone already has. With `report`, errors are
-    raised (a lost capture once, then forgotten); without, they are left for settle."""
+    raised (a lost capture once, then forgotten); without, they are left for settle.
+    `stores`: those opened so far, by path (a Store keeps the manifests it read or wrote, and
+    a point's parent is most often the point committed just before)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -348,10 +351,10 @@ def _commit(home: Home, path: Path, report: bool) -> None:
         # machine it was forked or created from): the commit refers to it.
         for earlier in journals(home, point.machine_uuid):
             if _seq(earlier) < point.seq:
-                _commit(home, earlier, report)
+                _commit(home, earlier, report, stores)
         if point.parent is not None:
             for parent in (home.root / "pending").glob(f"*-{point.parent}.json"):
-                _commit(home, parent, report)
+                _commit(home, parent, report, stores)
         cpu_before = _process_cpu()
         split: list[SplitResult] = []
 
@@ -359,7 +362,7 @@ def _commit(home: Home, path: Path, report: bool) -> None:
             split.append(_captured(point))
             return split[-1]
         try:
-            store = Store.open(point.store)
+            store = stores.get(point.store) or stores.setdefault(point.store, Store.open(point.store))
             if _stored(store, point.id):  # by a committer killed before it forgot the journal
                 end_qemu(point)
                 _forget(path, point)
@@ -461,4 +464,4 @@ def main() -> None:
     root, images, journal = sys.argv[1:4]
     with contextlib.suppress(OSError, ValueError):
         time.sleep(max(0.0, json.loads(Path(journal).read_text()).get("not_before", 0.0) - time.time()))
-    _commit(Home(root=Path(root), images=Path(images)), Path(journal), report=False)
+    _commit(Home(root=Path(root), images=Path(images)), Path(journal), report=False, stores={})
