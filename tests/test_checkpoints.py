@@ -358,6 +358,24 @@ def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
     assert Store.open(home.store).check(read_data=True).ok
 
 
+def test_a_journal_left_after_its_point_was_stored_is_no_lost_point(home: Home,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committer killed after it stored a point and removed the capture's result, before it
+    removed the journal: the next reader finds the point stored, instead of waiting for a
+    capture that ended long ago and calling the point lost."""
+    sbx = Sandbox.create("leftover", home=home)
+    monkeypatch.setattr(pending, "start_committer", lambda *_: None)
+    point = sbx.checkpoint(name="kept")
+    (journal,) = pending.journals(home)
+    saved = journal.read_bytes()
+    assert [c.id for c in sbx.history()] == [point.id]  # committed by this reader
+    journal.write_bytes(saved)  # as a committer killed before its last step leaves it
+    assert not Path(pending.load(journal).done).exists()
+    assert pending.settle(home) == [] and not journal.exists()
+    assert [c.id for c in sbx.history()] == [point.id]
+    assert not pending.take_lost(home)
+
+
 def test_a_restore_keeps_the_memory_image_it_starts_from(home: Home) -> None:
     """The checkpoint a restore takes of the state it leaves trims old memory images; the
     one the restore is about to start from must not be among them, however old."""
