@@ -23,7 +23,6 @@ FORMAT = 1
 MAX_MANIFEST_CHUNKS = 1 << 23
 CHUNK_SIZE_STEP = 4096  # chunk sizes are multiples of this, up to disk.MAX_CHUNK_SIZE
 HASH = re.compile(r"[0-9a-f]{64}")
-_HASHES = re.compile(r"(?:[0-9a-f]{64})*")
 ID = re.compile(r"[0-9a-f]{32}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # A name made only of 8 or more hex digits would read as an id prefix in a ref.
@@ -100,7 +99,7 @@ class BlobIndex:
         if base is not None and base.chunk_size == self.chunk_size:
             old = base.chunks
             # Most blobs of a point's history are as at the point after it (its disk layers):
-            # compared whole first, that is C's work.
+            # compared whole first, in C (a manifest 30 points into the loop: 17 -> 12 ms).
             changed = [] if old == self.chunks else \
                 [[i, h] for i, (h, o) in enumerate(zip(self.chunks, old, strict=False)) if h != o] + \
                 [[i, h] for i, h in enumerate(self.chunks[len(old):], len(old))]
@@ -141,16 +140,12 @@ class BlobIndex:
                     raise ValueError(f"chunk index {i!r} out of range")
                 chunks[i] = None if h is None else _check_hash(h)
         else:
-            items = data["chunks"]
-            _check_hashes([item for item in items if isinstance(item, str)])
             chunks = []
-            for item in items:
-                if isinstance(item, str):
-                    chunks.append(item)
-                elif is_int(item) and 0 < item <= count - len(chunks):
+            for item in data["chunks"]:
+                if is_int(item) and 0 < item <= count - len(chunks):
                     chunks.extend([None] * item)
                 else:
-                    raise ValueError(f"bad chunk hash {item!r}")
+                    chunks.append(_check_hash(item))
         if len(chunks) != count:
             raise ValueError(f"{len(chunks)} chunks for a blob of {size} bytes")
         return cls(size=size, chunk_size=chunk_size, chunks=chunks)
@@ -260,11 +255,3 @@ def _check_hash(value: object) -> str:
     if not (isinstance(value, str) and HASH.fullmatch(value)):
         raise ValueError(f"bad chunk hash {value!r}")
     return value
-
-
-def _check_hashes(values: list[str]) -> None:
-    """_check_hash of each, at once: one by one they were two thirds of reading a manifest
-    (15 ms for one 30 points into an agent's loop)."""
-    if set(map(len, values)) - {64} or not _HASHES.fullmatch("".join(values)):
-        for value in values:
-            _check_hash(value)
