@@ -116,8 +116,9 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
     differs from its template.
 
     With `ram_written` (see snapshot.follow_written), memory is stored as its capture writes it
-    out; `captured` then waits for the capture's end, before anything else is stored: a
-    1 GiB point's memory took 1.9 s to store after its 2.9 s write-out, now mostly during it."""
+    out; `captured`, given with it, then waits for the capture's end before anything else is
+    stored: a 1 GiB point's memory took 1.9 s to store after its 2.9 s write-out, now mostly
+    during it."""
     with store.lock():
         try:  # committed before: a committer killed after its manifest, before its journal went
             return store.get(checkpoint_id)
@@ -139,7 +140,7 @@ def commit_capture(store: Store, caches: Caches, checkpoint_id: str, state: Save
         with store.packing():  # one pack for the point's new chunks, durable before the commit
             ram = store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known, unchanged=unchanged,
                                  written=ram_written)
-            if captured is not None and captured().pages_resent and ram_written is not None:
+            if captured is not None and captured().pages_resent:
                 # Pages were sent again after they were read: read it again, now it is whole.
                 ram = store.put_blob(state.ram, chunk_size=RAM_CHUNK_SIZE, known=known, unchanged=unchanged)
             blobs = {"ram": ram, "devstate": store.put_blob(state.devstate)}

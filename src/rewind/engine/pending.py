@@ -377,7 +377,7 @@ def _commit(home: Home, path: Path, report: bool, stores: dict[str, Store]) -> N
                            name=point.name, labels=point.labels, meta=point.meta, history=point.history,
                            ram_base=point.ram_base, ram_changed=point.ram_changed,
                            ram_base_file=point.ram_base_file, ram_base_inode=point.ram_base_inode,
-                           ram_written=ram_written, captured=captured)
+                           ram_written=ram_written, captured=None if ram_written is None else captured)
         except StreamError as e:  # the capture failed: nothing will ever store it
             end_qemu(point)
             _lose(home, path, point, str(e))
