@@ -18,9 +18,10 @@ from conftest import rewind_cli
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from openapi_spec_validator import validate
-from serving import served
+from serving import home_env, served
 
 from rewind import Home
+from rewind.serve.process import serve_process
 
 TOKEN = secrets.token_urlsafe(24)
 PROBLEM = "application/problem+json"
@@ -62,6 +63,70 @@ def test_requests_without_the_token_are_refused(url: str) -> None:
         _problem(httpx2.get(f"{url}/machines", headers=headers), 401, "Unauthorized")
         _problem(httpx2.post(f"{url}/machines", json={}, headers=headers), 401, "Unauthorized")
     _problem(httpx2.post(f"{url}/mcp", json={}), 401, "Unauthorized")
+
+
+def test_web_pages_are_refused_before_any_machine_is_touched(url: str, http: httpx2.Client,
+                                                             machine: str) -> None:
+    # What a page in a browser on this host can send: a rebinding page's own name in Host, a
+    # foreign Origin, a form POST (no preflight needed), a fetch the browser marks cross-site;
+    # and a request without the token. None may stop or delete the machine, even with the token.
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    hostile = [
+        ({**auth, "Host": "rebound.example"}, {}, 421, "MisdirectedRequest"),
+        ({**auth, "Origin": "http://evil.example"}, {}, 403, "Forbidden"),
+        ({**auth, "Origin": "null"}, {}, 403, "Forbidden"),
+        ({**auth, "Sec-Fetch-Site": "cross-site"}, {}, 403, "Forbidden"),
+        (auth, {"data": {"a": "b"}}, 415, "UnsupportedMediaType"),
+        (auth, {"content": b"x", "headers": {"Content-Type": "text/plain"}}, 415, "UnsupportedMediaType"),
+        ({}, {}, 401, "Unauthorized"),
+    ]
+    for headers, body, status, title in hostile:
+        extra = body.pop("headers", {})
+        for method, path in (("POST", f"/machines/{machine}/stop"), ("DELETE", f"/machines/{machine}")):
+            r = httpx2.request(method, f"{url}{path}", headers={**headers, **extra}, **body)
+            _problem(r, status, title)
+    _problem(httpx2.post(f"{url}/mcp", json={}, headers={**auth, "Host": "rebound.example"}),
+             421, "MisdirectedRequest")
+    _problem(httpx2.post(f"{url}/mcp", json={}, headers={**auth, "Origin": "http://evil.example"}),
+             403, "Forbidden")
+    assert http.get(f"/machines/{machine}").json()["status"] == "running"
+    assert http.post(f"/machines/{machine}/exec", json={"cmd": "echo alive"}).json()["stdout"] == "alive\n"
+    # The server's own origin (a page it serves, such as /docs) and a JSON body pass.
+    own = http.get("/machines", headers={"Origin": url})
+    assert own.status_code == 200 and machine in [m["name"] for m in own.json()]
+
+
+def test_serve_without_a_token_flag_makes_a_private_token_file(tmp_path: Path, images_dir: Path) -> None:
+    home = Home(root=tmp_path / "home", images=images_dir)
+    with serve_process(home, tmp_path / "serve.log", []) as url:
+        token = home.serve_token.read_text().strip()
+        assert home.serve_token.stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+        assert "serve.token" in (tmp_path / "serve.log").read_text()
+        _problem(httpx2.get(f"{url}/machines"), 401, "Unauthorized")
+        assert httpx2.get(f"{url}/machines", headers={"Authorization": f"Bearer {token}"}).json() == []
+        # This home's CLI finds the token by itself for a daemon on loopback.
+        r = rewind_cli("ls", "--json", env={**home_env(home), "REWIND_URL": url, "REWIND_TOKEN": ""})
+        assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+    with serve_process(home, tmp_path / "again.log", []):
+        assert home.serve_token.read_text().strip() == token  # kept: clients still hold it
+
+
+def test_no_auth_gets_the_same_host_and_origin_checks(tmp_path: Path, images_dir: Path) -> None:
+    home = Home(root=tmp_path / "home", images=images_dir)
+    with serve_process(home, tmp_path / "serve.log", ["--no-auth", "--allow-host", "box.internal",
+                                                       "--allow-origin", "https://app.example"]) as url:
+        assert httpx2.get(f"{url}/machines").json() == []
+        assert httpx2.get(f"{url}/machines", headers={"Host": "box.internal"}).status_code == 200
+        rebound = httpx2.get(f"{url}/machines", headers={"Host": "rebound.example"})
+        _problem(rebound, 421, "MisdirectedRequest")
+        _problem(httpx2.post(f"{url}/machines", json={}, headers={"Origin": "http://evil.example"}),
+                 403, "Forbidden")
+        _problem(httpx2.post(f"{url}/machines", data={"name": "x"}), 415, "UnsupportedMediaType")
+        # An allowed origin gets CORS answers; its preflight names it.
+        preflight = httpx2.options(f"{url}/machines", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert not home.machines.exists() or not any(home.machines.iterdir())
 
 
 def test_openapi_document_is_valid(http: httpx2.Client) -> None:
@@ -222,7 +287,6 @@ def test_the_cli_refuses_bad_setups_in_one_line(tmp_path: Path) -> None:
         token = tmp_path / "token"
         token.write_text("t0k3n\n")
         cases = [
-            ((), "a token is required"),
             (("--token-file", str(tmp_path / "missing")), "cannot read the token file"),
             (("--token-file", str(empty)), "is empty"),
             (("--no-auth", "--host", "0.0.0.0"), "only allowed on a loopback address"),

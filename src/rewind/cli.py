@@ -893,15 +893,28 @@ def image_ls(as_json: bool) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=7070, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--token-file", default=None, type=click.Path(dir_okay=False),
-              help="File holding the bearer token every request must carry.")
+              help="File holding the bearer token every request must carry "
+                   "[default: serve.token in the home, made if missing].")
 @click.option("--no-auth", is_flag=True, help="Require no token (only on a loopback address).")
+@click.option("--allow-host", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header names NAME; repeatable.")
+@click.option("--allow-origin", multiple=True, metavar="ORIGIN",
+              help="Let web pages from ORIGIN (such as https://app.example) call the API (CORS); repeatable.")
 @store_option
-def serve(host: str, port: int, token_file: str | None, no_auth: bool, store_dir: str | None) -> None:
-    """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted."""
+def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_host: tuple[str, ...],
+          allow_origin: tuple[str, ...], store_dir: str | None) -> None:
+    """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted.
+
+    Requests must name this server in their Host header and come from no foreign web origin,
+    so a web page in a browser on this host cannot drive it."""
+    from rewind.home import Home
     from rewind.serve import api
+    from rewind.serve.access import AccessPolicy
     from rewind.serve.service import Service
 
-    api.serve(Service.from_env(store_dir), host, port, api.read_token(token_file, no_auth, host))
+    token, made = api.read_token(token_file, no_auth, host, Home.from_env())
+    policy = AccessPolicy.for_bind(host, allow_host, allow_origin)
+    api.serve(Service.from_env(store_dir), host, port, token, policy, made)
 
 
 @cli.command()

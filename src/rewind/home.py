@@ -28,6 +28,12 @@ class Home:
         return self.root / "machines"
 
     @property
+    def serve_token(self) -> Path:
+        """The token `rewind serve` requires when given none; the CLI on this host sends it to
+        a daemon on loopback."""
+        return self.root / "serve.token"
+
+    @property
     def store(self) -> Path:
         """The default checkpoint store."""
         return self.root / "store"

@@ -11,8 +11,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -28,26 +26,33 @@ from typing import Annotated, Any, TypeVar
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from rewind.errors import InvalidArgument, RewindError
+from rewind.home import Home
 from rewind.sandbox import command_argv
 from rewind.serve import wire
+from rewind.serve.access import (
+    OCTETS,
+    AccessPolicy,
+    BearerAuth,
+    RequestGuard,
+    default_token,
+    is_loopback,
+    read_token_file,
+)
 from rewind.serve.service import MAX_FORKS, Service
 
 SSE = "text/event-stream"
-OCTETS = "application/octet-stream"
 BINARY_BODY = {"requestBody": {"required": True,
                                "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-# Readiness probes and the API's description need no token (a browser on /docs cannot send one);
-# every operation does.
-PUBLIC_PATHS = {"/health", "/openapi.json", "/docs"}
 KEPT_ANSWERS = 10_000  # Idempotency-Key answers kept, oldest forgotten first
 
 
@@ -137,27 +142,6 @@ class ClassifyBody(BaseModel):
 
 # ---- auth, idempotency, errors ----
 
-class BearerAuth:
-    """Every request but PUBLIC_PATHS needs `Authorization: Bearer <token>` (compared in
-    constant time); refused requests get a problem+json 401."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        body = {"type": "/errors/Unauthorized", "title": "Unauthorized", "status": 401,
-                "detail": "this server needs the header Authorization: Bearer <token>"}
-        response = JSONResponse(body, 401, media_type=wire.PROBLEM_TYPE,
-                                headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
 class Idempotency:
     """Answers kept by Idempotency-Key: a repeated request (same key and route) gets the first
     answer again, marked `Idempotent-Replayed: true`, and does nothing; one that arrives while
@@ -245,12 +229,13 @@ def _labels(pairs: list[str]) -> dict[str, str] | None:
 
 # ---- the app ----
 
-def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> ASGIApp:
-    """The API over `service`; with `token`, every request but PUBLIC_PATHS must carry it."""
+def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASGIApp:
+    """The API over `service`, behind `policy`'s checks; with `token`, every request but
+    PUBLIC_PATHS must carry it."""
     from rewind.serve.mcpserver import build_server  # the MCP face shares the service
 
     mcp = build_server(service)
-    mcp_http = mcp.streamable_http_app(streamable_http_path="/mcp", host=host)
+    mcp_http = mcp.streamable_http_app(streamable_http_path="/mcp", transport_security=_mcp_security(policy))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -453,7 +438,20 @@ def create_app(service: Service, token: str | None, host: str = "127.0.0.1") -> 
             return await asyncio.to_thread(service.import_, src)
 
     _document_bearer(app, token is not None)
-    return app if token is None else BearerAuth(app, token)
+    binary = frozenset(r.path for r in app.routes if getattr(r, "openapi_extra", None) == BINARY_BODY)
+    return RequestGuard(app if token is None else BearerAuth(app, token), policy, app.routes, binary)
+
+
+def _mcp_security(policy: AccessPolicy) -> TransportSecuritySettings:
+    """The MCP SDK's own Host and Origin checks, as ours (which run first). Bound to every
+    address, any IP literal is a good Host, which its lists cannot say: ours alone check then."""
+    if policy.any_address:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    names = [f"[{h}]" if ":" in h else h for h in sorted(policy.hosts)]
+    return TransportSecuritySettings(
+        allowed_hosts=[*names, *(f"{n}:*" for n in names)],
+        allowed_origins=[*(f"http://{n}:*" for n in names), *(f"http://{n}" for n in names),
+                         *sorted(policy.origins)])
 
 
 def _scratch(service: Service) -> Path:
@@ -509,35 +507,23 @@ def _document_bearer(app: FastAPI, required: bool) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def read_token(token_file: str | None, no_auth: bool, host: str) -> str | None:
-    """The token the server will require, or None when `no_auth` is allowed (loopback only)."""
+def read_token(token_file: str | None, no_auth: bool, host: str,
+               home: Home) -> tuple[str | None, Path | None]:
+    """The token the server will require (None when `no_auth` is allowed: loopback only) and,
+    when it was made or taken from the home's default file, that file."""
     if no_auth:
         if token_file:
             raise InvalidArgument("give either --token-file or --no-auth, not both")
-        if not _loopback(host):
+        if not is_loopback(host):
             raise InvalidArgument(f"--no-auth is only allowed on a loopback address, not {host}")
-        return None
-    if not token_file:
-        raise InvalidArgument("a token is required: --token-file FILE (or --no-auth on a loopback address)")
-    try:
-        token = Path(token_file).read_text().strip()
-    except OSError as e:
-        raise InvalidArgument(f"cannot read the token file {token_file}: {e.strerror}") from e
-    if not token:
-        raise InvalidArgument(f"the token file {token_file} is empty")
-    return token
+        return None, None
+    if token_file:
+        return read_token_file(Path(token_file)), None
+    return default_token(home.serve_token), home.serve_token
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def serve(service: Service, host: str, port: int, token: str | None) -> None:
+def serve(service: Service, host: str, port: int, token: str | None, policy: AccessPolicy,
+          token_path: Path | None = None) -> None:
     """Run the API until interrupted. The socket is bound first, so a port in use is one clear error."""
     import uvicorn
 
@@ -552,7 +538,12 @@ def serve(service: Service, host: str, port: int, token: str | None) -> None:
         sock.close()
         raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from e
     bound = sock.getsockname()[1]  # --port 0 picks a free one: say which
-    print(f"rewind: serving on http://{host}:{bound} (MCP at /mcp; "
+    url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    print(f"rewind: serving on {url} (MCP at /mcp; "
           f"{'no token' if token is None else 'bearer token required'})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service, token, host), log_level="warning", lifespan="on")
+    if token_path is not None:
+        print(f"rewind: the token is in {token_path}; clients on this host: "
+              f"REWIND_URL={url} rewind ls (a daemon on loopback lends its token to this home's CLI), "
+              f"elsewhere: REWIND_TOKEN=$(cat {token_path})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(service, token, policy), log_level="warning", lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

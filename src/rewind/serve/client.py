@@ -21,6 +21,7 @@ from rewind.errors import InvalidArgument, RewindError
 from rewind.guard.classify import Decision
 from rewind.guard.guarded import GuardedResult
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
+from rewind.home import Home
 from rewind.sandbox import DEFAULT_READ_MAX, Checkpoint, Command, checked
 from rewind.serve import wire
 
@@ -30,13 +31,25 @@ if TYPE_CHECKING:
 DEFAULT_URL = "http://127.0.0.1:7070"
 
 
+def _home_token(url: str) -> str | None:
+    """The token of a daemon serving this host's home, for a URL on loopback only: it is never
+    sent to another host."""
+    host = (httpx2.URL(url).host or "").strip("[]")
+    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        return None
+    try:
+        return Home.from_env().serve_token.read_text().strip() or None
+    except OSError:
+        return None
+
+
 class Remote:
     """A connection to a rewind server. `url` defaults to $REWIND_URL, `token` to $REWIND_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None,
                  timeout: float | None = None) -> None:
         self.url = (url or os.environ.get("REWIND_URL") or DEFAULT_URL).rstrip("/")
-        token = token if token is not None else os.environ.get("REWIND_TOKEN")
+        token = token if token is not None else os.environ.get("REWIND_TOKEN") or _home_token(self.url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # Reads wait as long as a guest command may run; only connecting is bounded.
         self._http = httpx2.Client(base_url=self.url, headers=headers,
