@@ -19,8 +19,8 @@ from rewind.home import Home
 PUBLIC = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
     "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
-    "MachineNotRunning", "NotFound", "Outcome", "Refused", "RewindError", "Sandbox", "classify",
-    "try_in_copy",
+    "MachineNotRunning", "NotFound", "Outcome", "PortForward", "Refused", "RewindError", "Sandbox",
+    "classify", "try_in_copy",
 ]
 
 

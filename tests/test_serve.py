@@ -15,6 +15,7 @@ import anyio
 import httpx2
 import pytest
 from conftest import rewind_cli
+from invariants import wait_until
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from openapi_spec_validator import validate
@@ -334,3 +335,24 @@ def test_the_cli_uses_the_daemon_at_rewind_url(url: str, machine: str, tmp_path:
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
     r = rewind_cli("ls", env={**env, "REWIND_TOKEN": "wrong"})
     assert r.returncode == 1 and len(r.stderr.decode().strip().splitlines()) == 1, r.stderr
+
+
+def test_ports_over_http_reach_a_guest_server(http: httpx2.Client, machine: str) -> None:
+    start = "setsid python3 -m http.server 8080 --bind 0.0.0.0 --directory /etc >/dev/null 2>&1 < /dev/null &"
+    assert http.post(f"/machines/{machine}/exec", json={"cmd": start}).json()["exit_code"] == 0
+    r = http.post(f"/machines/{machine}/ports", json={"guest_port": 8080})
+    assert r.status_code == 201, r.text
+    forward = r.json()
+    assert forward["host"] == "127.0.0.1" and forward["guest_port"] == 8080
+    assert http.get(f"/machines/{machine}/ports").json() == [forward]
+
+    def page() -> int | None:
+        try:
+            return httpx2.get(f"http://127.0.0.1:{forward['port']}/hostname", timeout=10).status_code
+        except httpx2.TransportError:
+            return None
+    wait_until(lambda: page() == 200, "the guest's server through the forward", timeout=60)
+    _problem(http.post(f"/machines/{machine}/ports", json={"guest_port": 8080}), 409, "AlreadyExists")
+    _problem(http.post(f"/machines/{machine}/ports", json={"guest_port": 0}), 422, "InvalidArgument")
+    assert http.delete(f"/machines/{machine}/ports/8080").json() == forward
+    assert http.get(f"/machines/{machine}/ports").json() == []

@@ -20,6 +20,7 @@ _EXPORTS = {
     "try_in_copy": "rewind.sandbox",
     "classify": "rewind.guard.classify", "Decision": "rewind.guard.classify",
     "Outcome": "rewind.guard.trial",
+    "PortForward": "rewind.engine.ports",
     "GuardedResult": "rewind.guard.guarded", "Refused": "rewind.guard.guarded",
     **{name: "rewind.errors" for name in (
         "AgentError", "AgentGone", "AlreadyExists", "Busy", "CommandFailed", "ImageError", "InvalidArgument",
@@ -28,12 +29,13 @@ _EXPORTS = {
 __all__ = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
     "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
-    "MachineNotRunning", "NotFound", "Outcome", "Refused", "RewindError", "Sandbox", "classify",
-    "try_in_copy",
+    "MachineNotRunning", "NotFound", "Outcome", "PortForward", "Refused", "RewindError", "Sandbox",
+    "classify", "try_in_copy",
 ]
 
 if TYPE_CHECKING:
     from rewind.engine.agent import ExecResult
+    from rewind.engine.ports import PortForward
     from rewind.errors import (
         AgentError,
         AgentGone,

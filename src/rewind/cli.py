@@ -324,6 +324,41 @@ def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...],
 
 
 @cli.command()
+@click.argument("name")
+@click.argument("guest_port", required=False, type=click.IntRange(1, 65535))
+@click.option("--host-port", type=click.IntRange(1, 65535), default=None,
+              help="The port on this host [default: a free one].")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The host address to listen on; another than loopback opens the service to the network.")
+@click.option("--remove", is_flag=True, help="End the forward to GUEST_PORT.")
+@json_option
+def port(name: str, guest_port: int | None, host_port: int | None, host: str, remove: bool,
+         as_json: bool) -> None:
+    """Reach a service in machine NAME from this host: forward a host port to GUEST_PORT and
+    print its address. Without GUEST_PORT, list NAME's forwards. A forward belongs to the
+    machine: it answers again after restore, stop and start. The service must listen on
+    0.0.0.0 in the guest, not only on 127.0.0.1."""
+    ports = _sandbox(name).ports
+    if guest_port is None:
+        if remove or host_port is not None:
+            raise InvalidArgument("--remove and --host-port need a GUEST_PORT")
+        listed = ports.list()
+        if as_json:
+            emit_json([f.to_json() for f in listed])
+            return
+        for f in listed:
+            click.echo(f"{f.host}:{f.port} -> {name}:{f.guest_port}")
+        return
+    forward = ports.remove(guest_port) if remove else ports.forward(guest_port, host_port, host)
+    if as_json:
+        emit_json(forward.to_json())
+    elif remove:
+        click.echo(f"removed {forward.host}:{forward.port} -> {name}:{forward.guest_port}")
+    else:
+        click.echo(f"{forward.host}:{forward.port}")
+
+
+@cli.command()
 @click.option("--quick", is_flag=True, help="Fewer rounds and smaller series (a few minutes).")
 @click.option("--rounds", type=click.IntRange(min=1), default=None,
               help="Rounds per figure (default 5; 2 with --quick).")

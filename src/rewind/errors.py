@@ -19,6 +19,7 @@ the code by tests/test_api.py (a new error class must be placed in it):
     │   ├── AgentGone
     │   └── GuestFileError
     ├── CommandFailed                        exec(check=True) of a command that exited non-zero
+    ├── PortError                            a forward could not be set up (its host port is taken)
     ├── store.StoreError                     BadRef, UnknownCheckpoint, CheckpointExists and
     │   ├── store.CorruptChunk               StoreBusy are StoreErrors too
     │   ├── store.BadExport
@@ -79,6 +80,10 @@ class AgentGone(AgentError):
 
 class GuestFileError(AgentError):
     """A file operation in the guest failed (missing file, directory, permission)."""
+
+
+class PortError(RewindError):
+    """A port forward could not be set up or ended (its host port is taken, say)."""
 
 
 class CommandFailed(RewindError):

@@ -20,6 +20,7 @@ from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import ExecResult, exec_deadline
 from rewind.engine.machine import Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.ports import LOCAL_HOST, PortForward
 from rewind.errors import CommandFailed, InvalidArgument
 from rewind.guard.trial import DEFAULT_TIMEOUT
 from rewind.guard.trial import try_in_copy as _try_in_copy
@@ -134,6 +135,7 @@ class Sandbox:
         self._store_path = store
         self.files = Files(machine)
         self.network = Network(machine)
+        self.ports = Ports(machine)
 
     @property
     def _store(self) -> Store:
@@ -459,3 +461,27 @@ class Network:
     def off(self) -> dict:
         """Cut the machine off: nothing in or out, names do not resolve."""
         return self.set(internet=False)
+
+
+class Ports:
+    """Guest services from the host: `sbx.ports.forward(8000).url` is an address on this
+    host that leads to the guest's port 8000. A forward belongs to the machine: it answers
+    again after restore, stop and start. The guest's service must listen on its network
+    address or on 0.0.0.0 (not only on 127.0.0.1)."""
+
+    def __init__(self, machine: Machine) -> None:
+        self._machine = machine
+
+    def forward(self, guest_port: int, host_port: int | None = None,
+                host: str = LOCAL_HOST) -> PortForward:
+        """Forward `host:host_port` (default: a free port on 127.0.0.1; another host address
+        makes the guest's service reachable from outside this host) to `guest_port`."""
+        return self._machine.forward_port(guest_port, host_port, host)
+
+    def list(self) -> list[PortForward]:
+        self._machine.reload()
+        return list(self._machine.record.ports)
+
+    def remove(self, guest_port: int) -> PortForward:
+        """End the forward to `guest_port`; the forward it was."""
+        return self._machine.remove_forward(guest_port)

@@ -34,6 +34,7 @@ from rewind.engine import (
     MIN_MEMORY_MIB,
     diskchain,
     netfilter,
+    ports,
     ramcache,
 )
 from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient
@@ -41,6 +42,7 @@ from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.migstream import has_configuration
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.ports import PortForward
 from rewind.engine.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
@@ -67,6 +69,7 @@ from rewind.errors import (
     MachineDied,
     MachineNotRunning,
     NotFound,
+    PortError,
     RewindError,
 )
 from rewind.home import Home
@@ -182,6 +185,7 @@ class MachineRecord:
     ram_point: str | None = None  # the checkpoint whose memory that file is (None: a template's)
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
     handoff: Handoff | None = None
+    ports: list[PortForward] = field(default_factory=list)  # set up in every QEMU it runs in
 
     @classmethod
     def from_json(cls, data: dict) -> MachineRecord:
@@ -190,6 +194,7 @@ class MachineRecord:
         record = cls(**{k: v for k, v in data.items() if k in known})
         if isinstance(record.handoff, dict):
             record.handoff = Handoff(**record.handoff)
+        record.ports = [PortForward.from_json(p) if isinstance(p, dict) else p for p in record.ports]
         return record
 
 
@@ -375,6 +380,57 @@ class Machine:
             if self.status() == "running":
                 netfilter.update(self.path, rules)
 
+    def forward_port(self, guest_port: int, host_port: int | None = None,
+                     host: str = ports.LOCAL_HOST) -> PortForward:
+        """Lead `host:host_port` (default: a free port on 127.0.0.1) to the guest's
+        `guest_port`, now and in every QEMU this machine runs in later (see ports.py)."""
+        ports.check_port(guest_port, "the guest port")
+        ports.check_port(host_port, "the host port", allow_none=True)
+        ports.check_host(host)
+        with self.locked(shared=True):
+            self.reload()
+            if any(f.guest_port == guest_port for f in self.record.ports):
+                raise AlreadyExists(f"guest port {guest_port} of {self.name!r} is forwarded already "
+                                    f"(rewind port {self.name} {guest_port} --remove first)")
+            forward = ports.PortForward(host, host_port or ports.free_port(host), guest_port)
+            if self.status() == "running":
+                # The filter first: the guest's first answer through the forward must pass.
+                netfilter.forward(self.path, [f.guest_port for f in [*self.record.ports, forward]])
+                try:
+                    with self.monitor() as monitor:
+                        ports.add(monitor, forward)
+                except BaseException:
+                    netfilter.forward(self.path, [f.guest_port for f in self.record.ports])
+                    raise
+            self.update(lambda r: r.ports.append(forward))
+        return forward
+
+    def remove_forward(self, guest_port: int) -> PortForward:
+        """End the forward to `guest_port`; the forward it was."""
+        with self.locked(shared=True):
+            self.reload()
+            forward = next((f for f in self.record.ports if f.guest_port == guest_port), None)
+            if forward is None:
+                raise NotFound(f"guest port {guest_port} of {self.name!r} is not forwarded")
+            self.update(lambda r: r.ports.remove(forward))
+            if self.status() == "running":
+                with self.monitor() as monitor:
+                    ports.remove(monitor, forward)
+                netfilter.forward(self.path, [f.guest_port for f in self.record.ports])
+        return forward
+
+    def _open_ports(self) -> None:
+        """Set the record's forwards up in the QEMU just started. One that cannot be (its host
+        port was taken meanwhile) is logged and kept: the machine runs on."""
+        if not self.record.ports:
+            return
+        with self.monitor() as monitor:
+            for forward in self.record.ports:
+                try:
+                    ports.add(monitor, forward)
+                except PortError as e:
+                    log.warning("machine %s: %s", self.name, e)
+
     def network_attempts(self) -> list[str]:
         """What it tried to reach and its network rules refused, since its QEMU started (see
         netfilter.attempts)."""
@@ -389,11 +445,13 @@ class Machine:
         filter must be ready by the block's end."""
         r = self.record
         r.pid = None
-        filter_proc = netfilter.spawn(self.engine.home.runtime, self.path, r.uuid, self.network)
+        filter_proc = netfilter.spawn(self.engine.home.runtime, self.path, r.uuid, self.network,
+                                      [f.guest_port for f in r.ports])
         try:
             r.pid = start()
             yield
             netfilter.wait_ready(filter_proc, self.path)
+            self._open_ports()
         except BaseException:
             if r.pid is not None:
                 kill(r.pid, r.uuid)
@@ -909,12 +967,13 @@ class Engine:
             try:
                 successor.path = home_dir
                 r, o = successor.record, original.record
-                r.name, r.labels, r.network = o.name, dict(o.labels), dict(o.network)
+                r.name, r.labels, r.network, r.ports = o.name, dict(o.labels), dict(o.network), list(o.ports)
                 r.hostname, r.machine_id, r.mac, r.created = o.hostname, o.machine_id, o.mac, o.created
                 r.extra["replaced"] = {"machine": o.uuid, "by": before.name, "at": time.time()}
                 with AgentClient(home_dir / agent_socket(0), alive=successor.check_alive) as agent:
                     agent.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac)
                 netfilter.update(home_dir, successor.network)
+                netfilter.forward(home_dir, [f.guest_port for f in r.ports])
                 successor.save()
             except BaseException:
                 os.rename(home_dir, own_dir)
@@ -923,6 +982,7 @@ class Engine:
                 raise
         with contextlib.suppress(NotFound, FileNotFoundError):  # another command finished it first
             Machine(self, retired, original.record).delete()
+        successor._open_ports()  # the original's QEMU held the host ports until now
         original.path, original.record = successor.path, successor.record
 
     @contextmanager

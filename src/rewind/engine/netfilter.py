@@ -29,13 +29,14 @@ LOG_FILE = "net.log"
 CONNECT_TIMEOUT = 60.0
 
 
-def spawn(runtime: Path, run_dir: Path, tag: str, rules: NetworkRules) -> subprocess.Popen | spawner.Spawned:
+def spawn(runtime: Path, run_dir: Path, tag: str, rules: NetworkRules,
+          forwarded: list[int]) -> subprocess.Popen | spawner.Spawned:
     """Start the filter of the QEMU about to be launched in `run_dir` (forked by the home's
-    spawner where it answers: a fresh Python took 0.2-0.3 s of CPU beside a starting QEMU);
-    see wait_ready."""
+    spawner where it answers: a fresh Python took 0.2-0.3 s of CPU beside a starting QEMU),
+    letting through the answers of the guest ports in `forwarded`; see wait_ready."""
     for name in (FROM_GUEST, TO_NET, TO_GUEST, CONTROL, PID_FILE):
         (run_dir / name).unlink(missing_ok=True)
-    args = [tag, json.dumps(rules.to_json())]
+    args = [tag, json.dumps(rules.to_json()), json.dumps(sorted(set(forwarded)))]
     forked = spawner.spawn(runtime, spawner.Request("filter", args, cwd=str(run_dir), wait=True))
     if forked is not None:
         return forked
@@ -57,6 +58,11 @@ def wait_ready(proc: subprocess.Popen | spawner.Spawned, run_dir: Path) -> None:
 def update(run_dir: Path, rules: NetworkRules) -> None:
     """Give the running filter new rules; they apply to the next packet."""
     _ask(run_dir, {"rules": rules.to_json()})
+
+
+def forward(run_dir: Path, guest_ports: list[int]) -> None:
+    """Tell the running filter which guest ports the host forwards to (see ports.py)."""
+    _ask(run_dir, {"forwarded": sorted(set(guest_ports))})
 
 
 def attempts(run_dir: Path) -> list[str]:

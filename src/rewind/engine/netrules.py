@@ -14,6 +14,7 @@ from rewind.errors import InvalidArgument
 
 # QEMU's user-mode network, as the guest sees it.
 GUEST_NET = ipaddress.ip_network("10.0.2.0/24")
+GUEST_ADDRESS = ipaddress.ip_address("10.0.2.15")  # set by the guest's init (guest/sysinit.sh)
 HOST_ALIAS = ipaddress.ip_address("10.0.2.2")  # QEMU sends this address to the host's loopback
 DNS_SERVER = ipaddress.ip_address("10.0.2.3")  # answered by our filter, not by QEMU
 HOST_LOOPBACK = ipaddress.ip_address("127.0.0.1")

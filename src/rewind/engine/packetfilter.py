@@ -83,8 +83,9 @@ class HostAddresses:
 
 class Filter:
     def __init__(self, rules: NetworkRules, to_net: asyncio.StreamWriter,
-                 to_guest: asyncio.StreamWriter) -> None:
+                 to_guest: asyncio.StreamWriter, forwarded: frozenset[int] = frozenset()) -> None:
         self.rules = rules
+        self.forwarded = forwarded  # guest ports the host forwards to (ports.py)
         self.to_net = to_net
         self.to_guest = to_guest
         self.names: dict[ipaddress.IPv4Address, set[str]] = defaultdict(set)  # from our DNS answers
@@ -153,11 +154,18 @@ class Filter:
                 asyncio.get_running_loop().create_task(self._answer_dns(eth, ip))
         elif dst.is_multicast or dst == ipaddress.IPv4Address("255.255.255.255"):
             return
-        elif self.permits(dst, self.names.get(dst, ())):
+        elif self.permits(dst, self.names.get(dst, ())) or self._answers_forward(ip):
             self._send(self.to_net, frame)
         else:
             self._attempted(self._refused_packet(ip, dst))
             self._refuse(eth, ip)
+
+    def _answers_forward(self, ip: dpkt.ip.IP) -> bool:
+        """A segment of a connection the host opened to a forwarded guest port. A bare SYN
+        would open a new one from that port: refused like any other."""
+        seg = ip.data
+        return isinstance(seg, dpkt.tcp.TCP) and seg.sport in self.forwarded and not (
+            seg.flags & dpkt.tcp.TH_SYN and not seg.flags & dpkt.tcp.TH_ACK)
 
     async def _answer_dns(self, eth: dpkt.ethernet.Ethernet, ip: dpkt.ip.IP) -> None:
         try:
@@ -225,11 +233,14 @@ class Filter:
         return sorted({info[4][0] for info in infos})
 
     async def control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One JSON request: {"rules": ...} sets new rules; {"attempts": true} asks what was refused."""
+        """One JSON request: {"rules": ...} sets new rules, {"forwarded": [PORT, ...]} the
+        forwarded guest ports; {"attempts": true} asks what was refused."""
         try:
             request = json.loads(await reader.readline())
             if "rules" in request:
                 self.rules = NetworkRules.from_json(request["rules"])
+            if "forwarded" in request:
+                self.forwarded = _ports(request["forwarded"])
             reply = {"ok": True, **({"attempts": list(self.attempts)} if request.get("attempts") else {})}
         except Exception as e:  # noqa: BLE001 - the caller gets the reason; the filter runs on
             reply = {"ok": False, "error": str(e)}
@@ -265,7 +276,13 @@ async def keep_console(console: asyncio.StreamReader, limit: int = CONSOLE_LOG_M
         log.close()
 
 
-async def _run(rules: NetworkRules, ready: int) -> None:
+def _ports(value: object) -> frozenset[int]:
+    if not isinstance(value, list) or not all(isinstance(p, int) and 0 < p < 65536 for p in value):
+        raise ValueError(f"forwarded ports must be a list of port numbers, not {value!r}")
+    return frozenset(value)
+
+
+async def _run(rules: NetworkRules, forwarded: frozenset[int], ready: int) -> None:
     deadline = time.monotonic() + CONNECT_TIMEOUT
     # Keep every writer, even the one we never write to: a dropped StreamWriter closes its socket.
     from_guest, from_guest_w = await _connect(FROM_GUEST, deadline)
@@ -273,7 +290,7 @@ async def _run(rules: NetworkRules, ready: int) -> None:
     _, to_guest = await _connect(TO_GUEST, deadline)
     console, console_w = await _connect(CONSOLE_SOCKET, deadline)
     console_kept = asyncio.create_task(keep_console(console))
-    flt = Filter(rules, to_net, to_guest)
+    flt = Filter(rules, to_net, to_guest, forwarded)
     Path(CONTROL).unlink(missing_ok=True)
     server = await asyncio.start_unix_server(flt.control, path=CONTROL)
     os.write(ready, b"ok")
@@ -301,6 +318,7 @@ async def _run(rules: NetworkRules, ready: int) -> None:
 def main() -> None:
     """Connect to the machine's QEMU, then detach: the engine waits only until we are ready."""
     rules = NetworkRules.from_json(json.loads(sys.argv[2]))
+    forwarded = _ports(json.loads(sys.argv[3]))
     ready_r, ready_w = os.pipe()
     if os.fork():
         os.close(ready_w)
@@ -310,7 +328,7 @@ def main() -> None:
     write_pid_file()  # so the engine can end us even before we connect
     with open(LOG_FILE, "ab", buffering=0) as log:
         os.dup2(log.fileno(), 2)
-    asyncio.run(_run(rules, ready_w))
+    asyncio.run(_run(rules, forwarded, ready_w))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending
+from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending, ports
 from rewind.engine.accel import ACCELS
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.locks import file_lock
@@ -36,7 +36,7 @@ from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
 from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
-from rewind.errors import Busy, InvalidArgument, NotFound, RewindError
+from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
 from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
@@ -219,6 +219,9 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
                                          layer=str(new_top))
         monitor = None
         if not live:
+            for forward in r.ports:  # its successor listens on them; this QEMU ends later
+                with suppress(PortError):
+                    ports.remove(mon, forward)
             # The record says first that this QEMU is handed off: a kill from here on leaves
             # that for the next command to finish (finish_interrupted_restore).
             machine.update(advance)

@@ -135,6 +135,13 @@ class NetworkBody(BaseModel):
     deny: list[str] | None = None
 
 
+class PortBody(BaseModel):
+    guest_port: int = Field(ge=1, le=65535)
+    host_port: int | None = Field(None, ge=1, le=65535, description="Default: a free port")
+    host: str = Field("127.0.0.1", description="The host address to listen on; another than "
+                                               "loopback makes the guest's service reachable from outside")
+
+
 class ClassifyBody(BaseModel):
     command: str
     cwd: str | None = None
@@ -389,6 +396,21 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
     @app.put("/machines/{name}/network", tags=["network"])
     def set_network(name: str, body: NetworkBody) -> dict:
         return service.set_network(name, **body.model_dump())
+
+    @app.get("/machines/{name}/ports", tags=["network"])
+    def ports(name: str) -> list[dict]:
+        """The machine's forwards: `{"host", "port", "guest_port"}` each."""
+        return service.ports(name)
+
+    @app.post("/machines/{name}/ports", tags=["network"], status_code=201)
+    def forward_port(name: str, body: PortBody) -> dict:
+        """Forward a host port to a guest port; it answers again after restore, stop and start."""
+        return service.forward_port(name, body.guest_port, body.host_port, body.host)
+
+    @app.delete("/machines/{name}/ports/{guest_port}", tags=["network"])
+    def remove_port(name: str, guest_port: int) -> dict:
+        """End the forward to `guest_port`; the forward it was."""
+        return service.remove_port(name, guest_port)
 
     # ---- checkpoints ----
 

@@ -17,6 +17,7 @@ import httpx2
 
 from rewind.engine.agent import ExecResult
 from rewind.engine.machine import MachineInfo
+from rewind.engine.ports import LOCAL_HOST, PortForward
 from rewind.errors import InvalidArgument, RewindError
 from rewind.guard.classify import Decision
 from rewind.guard.guarded import GuardedResult
@@ -164,6 +165,7 @@ class RemoteSandbox:
         self._name = name
         self.files = RemoteFiles(self)
         self.network = RemoteNetwork(self)
+        self.ports = RemotePorts(self)
 
     def __enter__(self) -> RemoteSandbox:
         return self
@@ -333,3 +335,20 @@ class RemoteNetwork:
 
     def off(self) -> dict:
         return self.set(internet=False)
+
+
+class RemotePorts:
+    """A remote machine's forwards, as Sandbox.ports (the ports are on the server's host)."""
+
+    def __init__(self, sbx: RemoteSandbox) -> None:
+        self._sbx = sbx
+
+    def forward(self, guest_port: int, host_port: int | None = None, host: str = LOCAL_HOST) -> PortForward:
+        body = {"guest_port": guest_port, "host_port": host_port, "host": host}
+        return PortForward.from_json(self._sbx._call("POST", "/ports", json=body))
+
+    def list(self) -> list[PortForward]:
+        return [PortForward.from_json(f) for f in self._sbx._call("GET", "/ports")]
+
+    def remove(self, guest_port: int) -> PortForward:
+        return PortForward.from_json(self._sbx._call("DELETE", f"/ports/{guest_port}"))

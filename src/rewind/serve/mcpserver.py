@@ -169,6 +169,19 @@ def build_server(service: Service) -> MCPServer:
         return service.set_network(name, internet=True if internet is None else internet, allow=allow,
                                    deny=deny)
 
+    @tool(WRITE)
+    def port(name: str, guest_port: int | None = None, host_port: int | None = None,
+             remove: bool = False) -> dict[str, Any]:
+        """Reach a service in the machine from the host: given guest_port, forward a port on the
+        host's 127.0.0.1 (host_port, default a free one) to it and give its address; with
+        remove, end that forward; without guest_port, list the forwards. The service must
+        listen on 0.0.0.0 in the guest. Forwards survive restore, stop and start."""
+        if guest_port is None:
+            return {"ports": service.ports(name)}
+        if remove:
+            return service.remove_port(name, guest_port)
+        return service.forward_port(name, guest_port, host_port)
+
     @tool(READ)
     def read_file(name: str, path: str) -> dict[str, Any]:
         """A file of the machine: `text` if it is UTF-8, else `base64`."""

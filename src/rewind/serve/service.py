@@ -14,6 +14,7 @@ from typing import Any
 
 from rewind.engine.machine import Engine
 from rewind.engine.netrules import NetworkRules
+from rewind.engine.ports import LOCAL_HOST
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import classify
 from rewind.guard.userrules import find_rules
@@ -140,6 +141,16 @@ class Service:
     def set_network(self, name: str, internet: bool = True, allow: list[str] | None = None,
                     deny: list[str] | None = None) -> dict[str, Any]:
         return self.sandbox(name).network.set(internet=internet, allow=allow, deny=deny)
+
+    def ports(self, name: str) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self.sandbox(name).ports.list()]
+
+    def forward_port(self, name: str, guest_port: int, host_port: int | None = None,
+                     host: str = LOCAL_HOST) -> dict[str, Any]:
+        return self.sandbox(name).ports.forward(guest_port, host_port, host).to_json()
+
+    def remove_port(self, name: str, guest_port: int) -> dict[str, Any]:
+        return self.sandbox(name).ports.remove(guest_port).to_json()
 
     # ---- checkpoints ----
 

@@ -32,6 +32,7 @@ STATUS: dict[type[BaseException], int] = {
     errors.AlreadyExists: 409,
     errors.Busy: 409,
     errors.MachineNotRunning: 409,
+    errors.PortError: 409,
     errors.GuestFileError: 422,
     errors.AgentError: 502,
     errors.ImageError: 503,
