@@ -7,7 +7,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,6 +53,25 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out
 
 
+@dataclass(frozen=True)
+class ExecDefaults:
+    """What a machine's image gives every command unless the call says otherwise (an OCI
+    image's `Env`, `WorkingDir` and `User`): a call's own env entries and cwd win."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> ExecDefaults:
+        data = data or {}
+        return cls(env=dict(data.get("env") or {}), cwd=data.get("cwd") or None,
+                   user=data.get("user") or None)
+
+    def to_json(self) -> dict:
+        return {"env": dict(self.env), "cwd": self.cwd, "user": self.user}
+
+
 OutputCallback = Callable[[str], None]
 TIMEOUT_EXIT_CODE = 124  # as GNU timeout, and the guest agent, report a command that timed out
 
@@ -76,8 +95,9 @@ class AgentClient:
     """
 
     def __init__(self, socket_path: Path, alive: Callable[[], None] = lambda: None,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, defaults: ExecDefaults | None = None) -> None:
         self._path = socket_path
+        self._defaults = defaults or ExecDefaults()
         self._alive = alive
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
@@ -238,8 +258,12 @@ class AgentClient:
         """Run `argv` to its end. Past `deadline` (monotonic; by default `timeout` plus
         EXEC_DEADLINE_GRACE from now) the call returns timed out, whatever the guest does."""
         cap = DEFAULT_MAX_OUTPUT if max_output is None else max_output
-        request: dict = {"t": "exec", "argv": argv, "cwd": cwd, "env": env or {}, "timeout": timeout,
+        given = self._defaults
+        request: dict = {"t": "exec", "argv": argv, "cwd": cwd or given.cwd,
+                         "env": {**given.env, **(env or {})}, "timeout": timeout,
                          "stdin": stdin is not None, "max_output": cap}
+        if given.user is not None:
+            request["user"] = given.user
         if deadline is None:
             deadline = exec_deadline(timeout)
         self._request(request)

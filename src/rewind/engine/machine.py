@@ -37,7 +37,7 @@ from rewind.engine import (
     ports,
     ramcache,
 )
-from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient
+from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient, ExecDefaults
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.migstream import has_configuration
@@ -315,14 +315,16 @@ class Machine:
         what = f"machine {self.name!r}"
         self.reload()
         self._finish_interrupted_restore()
+        defaults = ExecDefaults.from_json(self.engine.image(self.record.image_id).exec)
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
             self.reload()  # another handle may have restored it: a new QEMU
             self.check_alive()
-            ports = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
-            with any_free_lock(ports, timeout=LOCK_TIMEOUT, what=what) as port, \
+            port_locks = [self.path / f"port-{i}.lock" for i in range(AGENT_PORTS)]
+            with any_free_lock(port_locks, timeout=LOCK_TIMEOUT, what=what) as port, \
                     AgentClient(self.path / agent_socket(port), alive=self._agent_silent,
                                 connect_timeout=connect_timeout if deadline is None
-                                else min(connect_timeout, deadline - time.monotonic())) as client:
+                                else min(connect_timeout, deadline - time.monotonic()),
+                                defaults=defaults) as client:
                 yield client
 
     def monitor(self) -> Monitor:

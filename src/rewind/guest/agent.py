@@ -172,13 +172,18 @@ def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise RequestError("bad_request", "argv must be a non-empty list of strings")
-    cwd = req.get("cwd") or "/root"
+    cwd = req.get("cwd") or ("/root" if os.path.isdir("/root") else "/")
     if not os.path.isdir(cwd):
         raise RequestError("bad_request", f"working directory does not exist: {cwd}")
     env = dict(DEFAULT_ENV)
+    user = find_user(req.get("user"))
+    if user is not None:
+        env.update(HOME=user.home, USER=user.name)
     env.update(req.get("env") or {})
     timeout = req.get("timeout")
     cap = int(req.get("max_output", DEFAULT_OUTPUT_CAP))
+    if argv[0] == "bash" and len(argv) == 3 and argv[1] == "-c" and not on_path("bash", env):
+        argv = ["sh", *argv[1:]]  # an image without bash (busybox, alpine): its sh runs the line
     try:
         proc = subprocess.Popen(
             argv,
@@ -188,6 +193,7 @@ def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            **({} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": user.groups}),
         )
     except FileNotFoundError:
         port.send({"t": "out", "fd": 2}, f"rewind: {argv[0]}: command not found\n".encode())
@@ -203,6 +209,41 @@ def handle_exec(port: Port, req: dict, _payload: bytes) -> None:
         kill_group(proc)
         raise
     port.send({"t": "exit", "code": code, "timed_out": timed_out, "truncated": truncated})
+
+
+def on_path(program: str, env: dict) -> bool:
+    return any(os.access(os.path.join(d, program), os.X_OK) for d in env.get("PATH", "").split(":") if d)
+
+
+class User:
+    """Whom a command runs as: from an image's `User` (name or uid, then :group or :gid)."""
+
+    def __init__(self, name: str, uid: int, gid: int, home: str, groups: list) -> None:
+        self.name, self.uid, self.gid, self.home, self.groups = name, uid, gid, home, groups
+
+
+def table(path: str) -> list:
+    """The colon-separated rows of /etc/passwd or /etc/group (read directly: the agent's own
+    libc would look for NSS modules among the image's libraries)."""
+    return [line.split(":") for line in read_text(path).splitlines() if line and not line.startswith("#")]
+
+
+def find_user(spec: str | None) -> User | None:
+    if not spec or spec in ("root", "0", "0:0"):
+        return None
+    who, _, group = spec.partition(":")
+    row = next((r for r in table("/etc/passwd") if len(r) >= 6 and who in (r[0], r[2])), None)
+    if row is None and not who.isdigit():
+        raise RequestError("bad_request", f"no user {who!r} in the machine's /etc/passwd")
+    name, uid = (row[0], int(row[2])) if row else (who, int(who))
+    gid = int(row[3]) if row else uid
+    if group:
+        found = next((r for r in table("/etc/group") if len(r) >= 3 and group in (r[0], r[2])), None)
+        if found is None and not group.isdigit():
+            raise RequestError("bad_request", f"no group {group!r} in the machine's /etc/group")
+        gid = int(found[2]) if found else int(group)
+    groups = [int(r[2]) for r in table("/etc/group") if len(r) >= 4 and name in r[3].split(",")]
+    return User(name, uid, gid, row[5] if row else "/", groups)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

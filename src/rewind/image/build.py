@@ -23,13 +23,13 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewind.errors import AlreadyExists, ImageError, InvalidArgument
 
 RECIPE: dict = {
-    "format": 3,  # 3: the agent runs from the read-only runtime disk
+    "format": 4,  # 4: init, its inittab and the tools sysinit uses come from the runtime disk too
     "suite": "bookworm",
     "variant": "minbase",
     "packages": [
@@ -37,7 +37,9 @@ RECIPE: dict = {
         "busybox-static", "kmod", "procps", "curl", "e2fsprogs",
     ],
     "kernel": "linux-image-amd64",
-    "boot_modules": ["virtio_pci", "virtio_blk", "crc32c_generic", "ext4"],
+    # All the guest needs, loaded by the initramfs: an image brings no kernel modules.
+    "boot_modules": ["virtio_pci", "virtio_blk", "crc32c_generic", "ext4", "virtio_console", "virtio_net",
+                     "virtio_rng"],
     "disk_size_mib": 8192,
 }
 
@@ -49,9 +51,9 @@ RUNTIME_FILES = {
     _GUEST / "protocol.py": "protocol.py",
     _GUEST / "gittier.py": "gittier.py",
     _GUEST / "sysinit.sh": "sysinit.sh",
+    _GUEST / "inittab": "inittab",
 }
-ROOT_FILES = {_GUEST / "inittab": "etc/inittab"}
-GUEST_FILES = [*RUNTIME_FILES, *ROOT_FILES]
+GUEST_FILES = list(RUNTIME_FILES)
 RUNTIME_MOUNT = "usr/lib/rewind"  # where the guest mounts the runtime disk
 PYTHON = "python3.11"
 # Parts of the guest's Python the agent never loads, left off the runtime disk.
@@ -86,6 +88,8 @@ class Image:
     kernel_version: str
     created: float
     disk_size_mib: int
+    exec: dict = field(default_factory=dict)  # defaults of every command: {"env", "cwd", "user"}
+    source: dict = field(default_factory=dict)  # where it was built from: {"kind", "path", "digest"}
 
     @property
     def kernel(self) -> Path:
@@ -105,6 +109,10 @@ class Image:
         path = self.path / RUNTIME_FILE
         return path if path.is_file() else None
 
+    def size_bytes(self) -> int:
+        """What its files take on the host's disk (sparse files by their blocks)."""
+        return sum(f.stat().st_blocks * 512 for f in self.path.iterdir() if f.is_file())
+
     @property
     def probe_initrd(self) -> Path:
         """An initramfs that only prints a marker and powers off (see engine.accel)."""
@@ -116,7 +124,8 @@ class Image:
         try:
             meta = json.loads((path / MANIFEST_FILE).read_text())
             image = cls(path=path, id=meta["id"], kernel_version=meta["kernel_version"],
-                        created=meta["created"], disk_size_mib=meta["disk_size_mib"])
+                        created=meta["created"], disk_size_mib=meta["disk_size_mib"],
+                        exec=meta.get("exec") or {}, source=meta.get("source") or {})
         except (OSError, ValueError, KeyError) as e:
             raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from e
         for f in (image.kernel, image.initrd, image.disk):
@@ -159,8 +168,7 @@ def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: 
     The guest must mount /dev/vda as root and run rewind's agent (guest/agent.py) as root
     on the virtio-serial ports named rewind.agent.N, as the default image does.
     """
-    if not _IMAGE_NAME.fullmatch(name) or name == recipe_id():
-        raise InvalidArgument(f"invalid image name {name!r}: use letters, digits, '-', '_' and '.'")
+    check_image_name(name)
     final = images_dir / name
     if final.exists():
         raise AlreadyExists(f"an image named {name!r} already exists")
@@ -175,15 +183,20 @@ def import_image(images_dir: Path, name: str, kernel: Path, initrd: Path, disk: 
         shutil.copy(initrd, staging / INITRD_FILE)
         if runtime_disk is not None:
             shutil.copy(runtime_disk, staging / RUNTIME_FILE)
-        _run(["qemu-img", "convert", "-O", "qcow2", str(disk), str(staging / DISK_FILE)],
+        run_tool(["qemu-img", "convert", "-O", "qcow2", str(disk), str(staging / DISK_FILE)],
              f"reading the disk {disk}")
-        info = json.loads(_run(["qemu-img", "info", "--output=json", str(staging / DISK_FILE)],
+        info = json.loads(run_tool(["qemu-img", "info", "--output=json", str(staging / DISK_FILE)],
                                "qemu-img info"))
         _write_manifest(staging, name, "custom", info["virtual-size"] >> 20, {"imported_from": str(disk)})
         os.rename(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Image.load(final)
+
+
+def check_image_name(name: str) -> None:
+    if not isinstance(name, str) or not _IMAGE_NAME.fullmatch(name) or name == recipe_id():
+        raise InvalidArgument(f"invalid image name {name!r}: use letters, digits, '-', '_' and '.'")
 
 
 def _write_manifest(path: Path, image_id: str, kernel_version: str, disk_size_mib: int,
@@ -196,7 +209,8 @@ def _write_manifest(path: Path, image_id: str, kernel_version: str, disk_size_mi
 Report = Callable[[str], None]
 
 
-def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
+def run_tool(cmd: list[str], what: str, cwd: Path | None = None) -> str:
+    """Run a host tool; its output, or ImageError with the last lines it printed."""
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
     except FileNotFoundError as e:
@@ -235,7 +249,7 @@ def _build_into(out: Path, image_id: str, report: Report) -> str:
     root = work / "rootfs"
     work.mkdir()
     report("installing Debian packages with mmdebstrap")
-    _run(["mmdebstrap", "--quiet", f"--variant={RECIPE['variant']}",
+    run_tool(["mmdebstrap", "--quiet", f"--variant={RECIPE['variant']}",
           "--include=" + ",".join(RECIPE["packages"]), RECIPE["suite"], str(root)], "mmdebstrap")
 
     report("fetching Debian's kernel")
@@ -244,10 +258,9 @@ def _build_into(out: Path, image_id: str, report: Report) -> str:
     shutil.copy(kernel_dir / "boot" / f"vmlinuz-{kernel_version}", out / KERNEL_FILE)
     modules_dst = root / "usr/lib/modules" / kernel_version
     shutil.copytree(kernel_dir / "lib/modules" / kernel_version, modules_dst, symlinks=True)
-    _run(["depmod", "-b", str(root), kernel_version], "depmod")
+    run_tool(["depmod", "-b", str(root), kernel_version], "depmod")
 
     report("installing the guest agent and its runtime")
-    _copy_files(ROOT_FILES, root)
     (root / RUNTIME_MOUNT).mkdir(parents=True, exist_ok=True)
     _make_runtime_disk(root, work / "runtime", out / RUNTIME_FILE)
     (root / "etc/hostname").write_text("rewind\n")
@@ -264,9 +277,9 @@ def _build_into(out: Path, image_id: str, report: Report) -> str:
     report("making the root disk")
     raw = work / "rootfs.raw"
     size = f"{RECIPE['disk_size_mib']}M"
-    _run(["mkfs.ext4", "-q", "-F", "-L", "rewind-root", "-E", "root_owner=0:0",
+    run_tool(["mkfs.ext4", "-q", "-F", "-L", "rewind-root", "-E", "root_owner=0:0",
           "-d", str(root), str(raw), size], "mkfs.ext4")
-    _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / DISK_FILE)],
+    run_tool(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / DISK_FILE)],
          "qemu-img convert")
     shutil.rmtree(work)
     return kernel_version
@@ -281,7 +294,8 @@ def _copy_files(files: dict[Path, str], dest: Path) -> None:
 
 
 def _make_runtime_disk(root: Path, staging: Path, out: Path) -> None:
-    """The runtime disk: the agent's files; bin/python3, the guest's interpreter, with its
+    """The runtime disk: the agent's files, init's inittab and sysinit.sh; bin/busybox (static,
+    PID 1 and the tools sysinit uses); bin/python3, the guest's interpreter, with its
     standard library (lib/python3.11) and packages (lib/python3/dist-packages, dulwich for the
     git tier), found there from the interpreter's own path; and in lib/ every shared library
     they load and the loader that runs them (inittab starts the agent through it)."""
@@ -289,6 +303,7 @@ def _make_runtime_disk(root: Path, staging: Path, out: Path) -> None:
     lib = staging / "lib"
     (staging / "bin").mkdir()
     shutil.copy(root / "usr/bin" / PYTHON, staging / "bin/python3")
+    shutil.copy(root / "usr/bin/busybox", staging / "bin/busybox")  # static: init and sysinit's tools
     shutil.copytree(root / "usr/lib" / PYTHON, lib / PYTHON, symlinks=True,
                     ignore=lambda _dir, names: [n for n in names if n in RUNTIME_SKIP])
     shutil.copytree(root / "usr/lib/python3/dist-packages", lib / "python3/dist-packages", symlinks=True)
@@ -297,11 +312,11 @@ def _make_runtime_disk(root: Path, staging: Path, out: Path) -> None:
         shutil.copy(system_libs / name, lib / name)  # follows the soname's symlink
     python = [str(lib / LOADER), "--library-path", str(lib), str(staging / "bin/python3"), "-I"]
     # Compiled now, and never checked against the sources: the disk is read-only in the guest.
-    _run([*python, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
+    run_tool([*python, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
           "-s", str(staging), "-p", f"/{RUNTIME_MOUNT}", str(staging)], "compiling the agent's Python")
     entries = list(staging.rglob("*"))
     blocks = sum(-(-p.lstat().st_size // 4096) + 1 for p in entries)  # a block each at least
-    _run(["mkfs.ext4", "-q", "-F", "-L", "rewind-runtime", "-O", "^has_journal", "-E", "root_owner=0:0",
+    run_tool(["mkfs.ext4", "-q", "-F", "-L", "rewind-runtime", "-O", "^has_journal", "-E", "root_owner=0:0",
           "-b", "4096", "-N", str(len(entries) + 1024), "-d", str(staging), str(out),
           f"{blocks * 5 // 4 // 256 + 16}M"], "mkfs.ext4 (runtime disk)")
 
@@ -310,8 +325,8 @@ def _shared_libraries(system_libs: Path, elves: list[Path]) -> set[str]:
     """The sonames `elves` load, found among the guest's libraries by its own loader, and it."""
     found = {LOADER}
     for elf in elves:
-        listing = _run([str(system_libs / LOADER), "--library-path", str(system_libs), "--list", str(elf)],
-                       f"listing the libraries of {elf.name}")
+        listing = run_tool([str(system_libs / LOADER), "--library-path", str(system_libs), "--list",
+                            str(elf)], f"listing the libraries of {elf.name}")
         for line in listing.splitlines():
             name, arrow, where = line.strip().partition(" => ")
             if arrow and where.startswith(str(system_libs)):
@@ -320,14 +335,14 @@ def _shared_libraries(system_libs: Path, elves: list[Path]) -> set[str]:
 
 
 def _fetch_kernel(work: Path, dest: Path) -> str:
-    depends = _run(["apt-cache", "depends", "--important", RECIPE["kernel"]], "apt-cache")
+    depends = run_tool(["apt-cache", "depends", "--important", RECIPE["kernel"]], "apt-cache")
     package = next((line.split(":", 1)[1].strip() for line in depends.splitlines()
                     if line.strip().startswith("Depends:") and "linux-image-" in line), None)
     if package is None:
         raise ImageError(f"cannot resolve {RECIPE['kernel']} to a kernel package (run `apt-get update`)")
-    _run(["apt-get", "download", "-q", package], "apt-get download", cwd=work)
+    run_tool(["apt-get", "download", "-q", package], "apt-get download", cwd=work)
     deb = next(work.glob(f"{package}_*.deb"))
-    _run(["dpkg-deb", "-x", str(deb), str(dest)], "dpkg-deb")
+    run_tool(["dpkg-deb", "-x", str(deb), str(dest)], "dpkg-deb")
     deb.unlink()
     return package.removeprefix("linux-image-")
 
