@@ -34,6 +34,7 @@ from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
     from rewind.engine.machine import Engine
+    from rewind.image import Image
     from rewind.sandbox import Checkpoint, Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, Store
@@ -862,9 +863,15 @@ def image() -> None:
 
 @image.command(name="build")
 @click.option("--force", is_flag=True, help="Rebuild even if the current recipe is built.")
+@click.option("--from", "source", default=None, metavar="SOURCE",
+              help="An OCI or Docker image: oci-archive:PATH, docker-archive:PATH or oci:DIR (needs --name).")
+@click.option("--name", default=None, help="The name of an image built --from an image or a Dockerfile.")
 @json_option
-def image_build(force: bool, as_json: bool) -> None:
-    """Build the default guest image (Debian packages) and its booted template."""
+def image_build(force: bool, source: str | None, name: str | None, as_json: bool) -> None:
+    """Build the default guest image (Debian packages) and its booted template, or, with
+    --from and --name, an image of your own from an OCI or Docker image."""
+    if source is not None or name is not None:
+        return _build_custom(source, name, force, as_json)
     from rewind.image import build_image
 
     engine = _engine()
@@ -880,6 +887,26 @@ def image_build(force: bool, as_json: bool) -> None:
         emit_json(data)
     else:
         click.echo(f"image {built.id} ready at {built.path}")
+
+
+def _build_custom(source: str | None, name: str | None, force: bool, as_json: bool) -> None:
+    from rewind.image.custom import build_from_image
+
+    if source is None or name is None:
+        raise InvalidArgument("an image of your own needs both --from SOURCE and --name NAME")
+    if force:
+        raise InvalidArgument("--force rebuilds the default image; remove an image of your own with "
+                              "`rewind image rm NAME` first")
+    engine = _engine()
+    started = time.monotonic()
+    with progress(not as_json) as report:
+        built = build_from_image(engine.home.images, name, source, report)
+    data = {**_image_row(built), "seconds": round(time.monotonic() - started, 1)}
+    if as_json:
+        emit_json(data)
+    else:
+        click.echo(f"image {built.id} ready ({data['size_mib']} MiB on disk); "
+                   f"start a machine of it with `rewind start NAME --image {built.id}`")
 
 
 @image.command(name="import")
@@ -911,17 +938,47 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, runtime_disk: s
 @json_option
 def image_ls(as_json: bool) -> None:
     """List images; the default one is the built recipe's."""
-    from rewind.image import list_images, recipe_id
+    from rewind.image import list_images
 
-    default = recipe_id()
-    rows = [{"id": i.id, "default": i.id == default, "kernel": i.kernel_version,
-             "disk_size_mib": i.disk_size_mib, "path": str(i.path)}
-            for i in list_images(_engine().home.images)]
+    rows = [_image_row(i) for i in list_images(_engine().home.images)]
     if as_json:
         emit_json(rows)
         return
     for row in rows:
-        click.echo(f"{row['id']:20} {'default' if row['default'] else '':8} {row['kernel']:16} {row['path']}")
+        click.echo(f"{row['id']:20} {'default' if row['default'] else '':8} {row['size_mib']:>6} MiB  "
+                   f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(row['created']))}  "
+                   f"{(row['digest'] or '-')[:19]}")
+
+
+@image.command(name="rm")
+@click.argument("name")
+@json_option
+def image_rm(name: str, as_json: bool) -> None:
+    """Remove image NAME; refused while a machine or a checkpoint uses it."""
+    from rewind.image.custom import remove_image
+
+    engine = _engine()
+    remove_image(engine.home.images, name, _image_users(engine, name))
+    if as_json:
+        emit_json({"removed": name})
+    else:
+        click.echo(f"removed image {name}")
+
+
+def _image_users(engine: Engine, name: str) -> list[str]:
+    """What keeps image NAME in use: machines of it, and checkpoints of machines of it."""
+    users = [f"machine {m.name}" for m in engine.list() if m.record.image_id == name]
+    store = _store(None)
+    users += [f"checkpoint {c.id[:12]}" for c in store.list() if c.meta.get("image_id") == name]
+    return users
+
+
+def _image_row(i: Image) -> dict:
+    from rewind.image import recipe_id
+
+    return {"id": i.id, "default": i.id == recipe_id(), "kernel": i.kernel_version, "created": i.created,
+            "size_mib": i.size_bytes() >> 20, "disk_size_mib": i.disk_size_mib,
+            "digest": i.source.get("digest"), "source": i.source or None, "path": str(i.path)}
 
 
 @cli.command()

@@ -110,8 +110,9 @@ class Image:
         return path if path.is_file() else None
 
     def size_bytes(self) -> int:
-        """What its files take on the host's disk (sparse files by their blocks)."""
-        return sum(f.stat().st_blocks * 512 for f in self.path.iterdir() if f.is_file())
+        """What its root disk takes on the host (its blocks: the file is sparse). The kernel,
+        initramfs and runtime disk are shared with the default image."""
+        return self.disk.stat().st_blocks * 512
 
     @property
     def probe_initrd(self) -> Path:

@@ -1,0 +1,101 @@
+"""Images of the user's own, run as real machines: OCI and Docker archives of a busybox-only
+root (two layers, a whiteout, no Python, no init, no bash), with the image's Env,
+WorkingDir and User as every command's defaults; checkpoint, restore, fork and create-from
+on them; `rewind image ls/rm` and the errors."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import rewind_cli
+from images import make_busybox_archive
+from serving import home_env
+
+from rewind import AlreadyExists, Home, InvalidArgument, Sandbox
+from rewind.engine.machine import Engine
+from rewind.image.custom import build_from_image, remove_image
+
+ENV = {"PATH": "/bin", "GREETING": "from the image"}
+
+
+@pytest.fixture(scope="module")
+def built(shared_home: Home, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """An image from an oci-archive and one from a docker-archive (running as user 1000)."""
+    folder = tmp_path_factory.mktemp("archives")
+    suffix = secrets.token_hex(3)
+    names = {"oci": f"bb-oci-{suffix}", "docker": f"bb-docker-{suffix}"}
+    oci = make_busybox_archive(folder / "oci.tar", "oci", env=ENV, workdir="/home/user")
+    docker = make_busybox_archive(folder / "docker.tar", "docker", env=ENV, workdir="/home/user", user="user")
+    build_from_image(shared_home.images, names["oci"], oci)
+    build_from_image(shared_home.images, names["docker"], docker)
+    yield names
+    engine = Engine(shared_home)
+    for machine in engine.list():
+        machine.delete()
+    for name in names.values():
+        remove_image(shared_home.images, name, [])
+
+
+def test_an_oci_image_runs_with_its_env_and_working_dir(shared_home: Home, built: dict[str, str]) -> None:
+    with Sandbox.create(image=built["oci"], home=shared_home) as sbx:
+        r = sbx.exec('echo "$GREETING"; pwd; id -u; ls /etc; command -v python3 bash || echo none')
+        assert r.ok, r
+        greeting, cwd, uid, *rest = r.stdout.splitlines()
+        assert (greeting, cwd, uid) == ("from the image", "/home/user", "0")
+        assert "remove-me" not in rest and "hostname" in rest  # layer 2's whiteout and file
+        assert rest[-1] == "none"  # no Python, no bash: the agent runs all the same
+        own = sbx.exec("pwd; echo $GREETING", cwd="/tmp", env={"GREETING": "from the call"})
+        assert own.stdout == "/tmp\nfrom the call\n"  # a call's own cwd and env win
+        assert sbx.exec(["cat", "/proc/1/cmdline"]).stdout.startswith("/usr/lib/rewind/bin/busybox")
+
+
+def test_a_docker_image_runs_commands_as_its_user(shared_home: Home, built: dict[str, str]) -> None:
+    with Sandbox.create(image=built["docker"], home=shared_home) as sbx:
+        r = sbx.exec("id -u; echo $HOME; pwd; echo $GREETING")
+        assert r.stdout.splitlines() == ["1000", "/home/user", "/home/user", "from the image"], r
+
+
+def test_checkpoint_restore_fork_and_create_from_on_an_image(shared_home: Home,
+                                                             built: dict[str, str]) -> None:
+    with Sandbox.create(image=built["oci"], home=shared_home) as sbx:
+        sbx.exec("echo kept > /root/state && sleep 1000 > /dev/null 2>&1 &", check=True)
+        point = sbx.checkpoint(wait=True)
+        sbx.exec("rm -rf /bin/ls /root/state", check=True)
+        sbx.restore(point.id)
+        back = sbx.exec("cat /root/state; ls /bin/ls; ps | grep -c 'sleep 100[0]'")
+        assert back.stdout == "kept\n/bin/ls\n1\n", back  # files and the running process
+        with sbx.fork() as child, Sandbox.create(from_checkpoint=point, home=shared_home) as copy:
+            for machine in (child, copy):
+                assert machine.exec("cat /root/state; echo $GREETING").stdout == "kept\nfrom the image\n"
+
+
+def test_image_ls_rm_and_bad_builds_are_clear(shared_home: Home, built: dict[str, str],
+                                              tmp_path: Path) -> None:
+    env = home_env(shared_home)
+    r = rewind_cli("image", "ls", "--json", env=env)
+    rows = {row["id"]: row for row in json.loads(r.stdout)}
+    row = rows[built["oci"]]
+    assert row["digest"].startswith("sha256:") and row["source"]["kind"] == "oci-archive"
+    assert not row["default"] and row["size_mib"] > 0
+
+    machine = Sandbox.create(image=built["oci"], home=shared_home)
+    refused = rewind_cli("image", "rm", built["oci"], env=env)
+    err = refused.stderr.decode()
+    assert refused.returncode == 1 and f"machine {machine.name}" in err and len(err.strip().splitlines()) == 1
+    assert machine.exec("true").ok  # the refusal touched nothing
+
+    with pytest.raises(AlreadyExists):
+        build_from_image(shared_home.images, built["oci"], f"oci-archive:{tmp_path / 'x.tar'}")
+    for source, message in ((f"oci-archive:{tmp_path / 'missing.tar'}", "no such file"),
+                            ("docker://debian", "oci-archive:PATH")):
+        cli = rewind_cli("image", "build", "--from", source, "--name", "never", env=env)
+        err = cli.stderr.decode()
+        assert cli.returncode == 1 and message in err and "Traceback" not in err, err
+    with pytest.raises(InvalidArgument, match="invalid image name"):
+        build_from_image(shared_home.images, "../escape", f"oci-archive:{tmp_path}")
+    assert not (shared_home.images / "never").exists()
+    assert not [p for p in shared_home.images.iterdir() if p.name.startswith(".build-")]
