@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import rewind_cli
+from conftest import cleanup_home, rewind_cli
 from images import make_busybox_archive
 from serving import home_env
 
@@ -99,3 +99,23 @@ def test_image_ls_rm_and_bad_builds_are_clear(shared_home: Home, built: dict[str
         build_from_image(shared_home.images, "../escape", f"oci-archive:{tmp_path}")
     assert not (shared_home.images / "never").exists()
     assert not [p for p in shared_home.images.iterdir() if p.name.startswith(".build-")]
+
+
+def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Home, built: dict[str, str],
+                                                                 tmp_path: Path) -> None:
+    # A second home on the same store, whose images are only the default one: the point
+    # brings the image's disk, and the default image its kernel and runtime.
+    other_images = tmp_path / "images"
+    other_images.mkdir()
+    default = Engine(shared_home).image()
+    (other_images / default.id).symlink_to(default.path)
+    other = Home(root=tmp_path / "other", images=other_images)
+    with Sandbox.create(image=built["oci"], home=shared_home) as sbx:
+        sbx.exec("echo travelled > /root/state", check=True)
+        point = sbx.checkpoint(wait=True)
+    try:
+        with Sandbox.create(from_checkpoint=point.id, home=other, store=shared_home.store) as copy:
+            r = copy.exec("cat /root/state; pwd; echo $GREETING; command -v bash || echo none")
+            assert r.stdout == "travelled\n/home/user\nfrom the image\nnone\n", r
+    finally:
+        cleanup_home(other)

@@ -186,6 +186,8 @@ class MachineRecord:
     network: dict = field(default_factory=lambda: NetworkRules().to_json())  # NetworkRules, as JSON
     handoff: Handoff | None = None
     ports: list[PortForward] = field(default_factory=list)  # set up in every QEMU it runs in
+    exec: dict = field(default_factory=dict)  # every command's defaults (ExecDefaults), from its image
+    image_base: str | None = None  # the default image an image of the user's own is built on
 
     @classmethod
     def from_json(cls, data: dict) -> MachineRecord:
@@ -315,7 +317,7 @@ class Machine:
         what = f"machine {self.name!r}"
         self.reload()
         self._finish_interrupted_restore()
-        defaults = ExecDefaults.from_json(self.engine.image(self.record.image_id).exec)
+        defaults = ExecDefaults.from_json(self.record.exec)
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
             self.reload()  # another handle may have restored it: a new QEMU
             self.check_alive()
@@ -809,6 +811,20 @@ class Engine:
 
         return find_image(self.home.images, image_id)
 
+    def point_image(self, image_id: str, base: str | None) -> Image:
+        """The image to run a point of image `image_id` on: that image, or, on a host without
+        it, the default image it was built on (its disk comes with the point's layers)."""
+        try:
+            return self.image(image_id)
+        except ImageError:
+            if base is None:
+                raise
+        try:
+            return self.image(base)
+        except ImageError as e:
+            raise ImageError(f"this host has neither image {image_id!r} nor the default image "
+                             f"{base!r} it was built on: run `rewind image build`") from e
+
     def accel(self) -> AccelChoice:
         from rewind.engine.accel import choose_accel
 
@@ -910,7 +926,7 @@ class Engine:
         machine = self.new_machine(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
                             state_of=lambda: template_state(template, self.home.runtime, chosen),
-                            network=network)
+                            network=network, exec_defaults=chosen.exec, image_base=chosen.base)
         if disk_mib > base_mib:
             with self._undo_on_failure(machine):
                 machine.grow_disk(disk_mib)
@@ -1002,7 +1018,8 @@ class Engine:
     def new_machine(self, name: str | None, *, memory_mib: int, cpus: int, labels: dict[str, str] | None,
                     image_id: str, accel: str, disk_size_mib: int, parent: str | None,
                     state_of: Callable[[], SavedState], network: NetworkRules | None = None,
-                    extra: dict | None = None) -> Machine:
+                    extra: dict | None = None, exec_defaults: dict | None = None,
+                    image_base: str | None = None) -> Machine:
         """Register a machine and run the saved state `state_of` gives in it, with a new
         identity."""
         name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
@@ -1018,7 +1035,8 @@ class Engine:
             name=name, uuid=str(uuid.uuid4()), memory_mib=memory_mib, cpus=cpus, labels=labels,
             image_id=image_id, hostname=_hostname(name), machine_id=uuid.uuid4().hex, mac=_new_mac(),
             vmgenid=str(uuid.uuid4()), created=time.time(), accel=accel, disk_size_mib=disk_size_mib,
-            parent=parent, extra=extra or {}, network=(network or NetworkRules()).to_json())
+            parent=parent, extra=extra or {}, network=(network or NetworkRules()).to_json(),
+            exec=dict(exec_defaults or {}), image_base=image_base)
         machine = Machine(self, path, record)
         with self._undo_on_failure(machine), \
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):

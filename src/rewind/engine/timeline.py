@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending, ports
 from rewind.engine.accel import ACCELS
+from rewind.engine.agent import ExecDefaults
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Handoff, validate_name
@@ -71,6 +72,10 @@ class PointMeta:
     # What its guest did and said first (gueststate.py), and the machine's labels: for diff.
     guest: dict | None = None
     machine_labels: dict | None = None
+    # An image of the user's own: every command's defaults, and the default image its kernel,
+    # initramfs and runtime disk are (a host without that image runs the point on those).
+    exec: dict = field(default_factory=dict)
+    image_base: str | None = None
 
     @classmethod
     def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None,
@@ -78,11 +83,12 @@ class PointMeta:
         return cls(memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel, image_id=r.image_id,
                    disk_size_mib=r.disk_size_mib, hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                    network=r.network, pause_s=pause_s, context=context, guest=guest,
-                   machine_labels=dict(r.labels))
+                   machine_labels=dict(r.labels), exec=dict(r.exec), image_base=r.image_base)
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for key, unset in (("context", None), ("imported", False), ("guest", None), ("machine_labels", None)):
+        for key, unset in (("context", None), ("imported", False), ("guest", None), ("machine_labels", None),
+                           ("exec", {}), ("image_base", None)):
             if data[key] == unset:
                 del data[key]
         return data
@@ -113,7 +119,9 @@ class PointMeta:
                    pause_s=float(pause_s) if isinstance(pause_s, int | float) else None,
                    context=context if isinstance(context, str) else None,
                    imported=meta.get("imported") is True, guest=guest if isinstance(guest, dict) else None,
-                   machine_labels=labels if isinstance(labels, dict) else None)
+                   machine_labels=labels if isinstance(labels, dict) else None,
+                   exec=ExecDefaults.from_json(meta.get("exec")).to_json() if meta.get("exec") else {},
+                   image_base=text("image_base") or None)
 
     def rules(self) -> NetworkRules:
         """The network rules a new machine from this point starts with, unless its caller gives
@@ -424,7 +432,6 @@ def create_from(engine: Engine, store: Store, ref: str | CheckpointManifest, nam
         found = engine.find_point(store, at, relative_to=found.point.id)
     point = found.point
     meta = PointMeta.from_json(point.id, point.meta)  # before any file is made from it
-    engine.image(meta.image_id)
     return _run_point(engine, name, point.id, point.machine, meta, found.state, labels, network)
 
 
@@ -454,8 +461,12 @@ def _run_point(engine: Engine, name: str | None, point_id: str, machine: str, me
                state_of: Callable[[], SavedState], labels: dict[str, str] | None,
                network: NetworkRules | None, **extra: str) -> Machine:
     """A new machine running a saved point of `machine`."""
+    image = engine.point_image(meta.image_id, meta.image_base)
+    if image.id != meta.image_id:
+        extra = {**extra, "image": meta.image_id}  # not on this host: run on its base
     return engine.new_machine(
-        name, memory_mib=meta.memory_mib, cpus=meta.cpus, labels=labels, image_id=meta.image_id,
+        name, memory_mib=meta.memory_mib, cpus=meta.cpus, labels=labels, image_id=image.id,
         accel=meta.accel, disk_size_mib=meta.disk_size_mib, parent=point_id, state_of=state_of,
         network=network if network is not None else meta.rules(),
-        extra={"from_checkpoint": point_id, "from_machine": machine, **extra})
+        extra={"from_checkpoint": point_id, "from_machine": machine, **extra},
+        exec_defaults=meta.exec, image_base=meta.image_base)

@@ -90,6 +90,7 @@ class Image:
     disk_size_mib: int
     exec: dict = field(default_factory=dict)  # defaults of every command: {"env", "cwd", "user"}
     source: dict = field(default_factory=dict)  # where it was built from: {"kind", "path", "digest"}
+    base: str | None = None  # the default image whose kernel, initramfs and runtime disk it has
 
     @property
     def kernel(self) -> Path:
@@ -126,7 +127,8 @@ class Image:
             meta = json.loads((path / MANIFEST_FILE).read_text())
             image = cls(path=path, id=meta["id"], kernel_version=meta["kernel_version"],
                         created=meta["created"], disk_size_mib=meta["disk_size_mib"],
-                        exec=meta.get("exec") or {}, source=meta.get("source") or {})
+                        exec=meta.get("exec") or {}, source=meta.get("source") or {},
+                        base=meta.get("base"))
         except (OSError, ValueError, KeyError) as e:
             raise ImageError(f"image at {path} is damaged: unreadable {MANIFEST_FILE} ({e})") from e
         for f in (image.kernel, image.initrd, image.disk):
