@@ -5,8 +5,10 @@ on them; `rewind image ls/rm` and the errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +17,10 @@ from conftest import cleanup_home, rewind_cli
 from images import make_busybox_archive
 from serving import home_env
 
-from rewind import AlreadyExists, Home, InvalidArgument, Sandbox
+from rewind import AlreadyExists, Home, ImageError, InvalidArgument, NotFound, Sandbox
 from rewind.engine.machine import Engine
-from rewind.image.custom import build_from_image, remove_image
+from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
+from rewind.image.dockerfile import Builder, builder_for
 
 ENV = {"PATH": "/bin", "GREETING": "from the image"}
 
@@ -36,6 +39,7 @@ def built(shared_home: Home, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     engine = Engine(shared_home)
     for machine in engine.list():
         machine.delete()
+    engine.settle()  # points still being stored read the images' disks
     for name in names.values():
         remove_image(shared_home.images, name, [])
 
@@ -119,3 +123,75 @@ def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Ho
             assert r.stdout == "travelled\n/home/user\nfrom the image\nnone\n", r
     finally:
         cleanup_home(other)
+
+
+@pytest.fixture(scope="module")
+def builder(shared_home: Home) -> Iterator[Builder]:
+    made = builder_for(shared_home.root)
+    yield made
+    made.remove_all()
+
+
+def test_a_debian_image_from_a_dockerfile_runs(shared_home: Home, builder: Builder, tmp_path: Path) -> None:
+    # FROM an image made here: an mmdebstrap root imported into the builder (no registry).
+    root = tmp_path / "debian"
+    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "bookworm", str(root)], check=True)
+    builder.import_root(root, "rewind-test-debian")
+    context = tmp_path / "context"
+    (context / "conf").mkdir(parents=True)
+    (context / "hello.txt").write_text("hello from the context\n")
+    (context / "conf" / "app.ini").write_text("mode = test\n")
+    (context / "Dockerfile").write_text(
+        "FROM rewind-test-debian\n"
+        "ENV APP_MODE=test\n"
+        "WORKDIR /app\n"
+        "COPY hello.txt ./\n"
+        "COPY conf/ /etc/app/\n"
+        "RUN echo built > /app/built && useradd -m -u 1000 app && chown app /app\n"
+        "USER app\n")
+    name = f"deb-{secrets.token_hex(3)}"
+    image = build_from_dockerfile(shared_home.images, builder, name, context / "Dockerfile", context)
+    try:
+        assert image.source["kind"] == "dockerfile" and image.exec["user"] == "app"
+        with Sandbox.create(image=name, home=shared_home) as sbx:
+            r = sbx.exec("cat hello.txt built /etc/app/app.ini; echo $APP_MODE; pwd; id -un; touch mine")
+            assert r.stdout == "hello from the context\nbuilt\nmode = test\ntest\n/app\napp\n", r
+            point = sbx.checkpoint()
+            sbx.exec("rm -f /app/hello.txt", check=True)
+            sbx.restore(point.id)
+            back = sbx.exec("cat /app/hello.txt; stat -c %U /app/mine")
+            assert back.stdout == "hello from the context\napp\n", back
+    finally:
+        Engine(shared_home).settle()
+        remove_image(shared_home.images, name, [])
+
+
+def test_a_dockerfile_builds_from_an_image_made_from_an_archive(shared_home: Home, builder: Builder,
+                                                               tmp_path: Path) -> None:
+    base = f"bb-base-{secrets.token_hex(3)}"
+    build_from_image(shared_home.images, base, make_busybox_archive(tmp_path / "bb.tar", "oci", env=ENV))
+    (tmp_path / "Dockerfile").write_text(f"FROM {base}\nRUN echo layered > /etc/layered\nWORKDIR /tmp\n")
+    name = f"bb-top-{secrets.token_hex(3)}"
+    env = home_env(shared_home)
+    try:
+        dockerfile = str(tmp_path / "Dockerfile")
+        r = rewind_cli("image", "build", "-f", dockerfile, "--name", name, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["source"]["kind"] == "dockerfile"
+        with Sandbox.create(image=name, home=shared_home) as sbx:
+            r = sbx.exec("cat /etc/layered; pwd; echo $GREETING")
+            assert r.stdout == "layered\n/tmp\nfrom the image\n", r
+        bad = tmp_path / "Bad.dockerfile"
+        bad.write_text(f"FROM {base}\nRUN echo about to fail >&2; exit 3\n")
+        failed = rewind_cli("image", "build", "-f", str(bad), "--name", "never", "--json", env=env)
+        err = failed.stderr.decode()
+        assert failed.returncode == 1 and "exit 3" in err and len(err.strip().splitlines()) == 1, err
+        log = Path(err.split("full log: ")[1].rstrip(")\n"))
+        assert "about to fail" in log.read_text()  # the whole log outlives the failed build
+        log.unlink()
+        assert not (shared_home.images / "never").exists()
+    finally:
+        Engine(shared_home).settle()
+        for made in (name, base):
+            with contextlib.suppress(NotFound, ImageError):
+                remove_image(shared_home.images, made, [])

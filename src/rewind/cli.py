@@ -137,10 +137,13 @@ def cli() -> None:
               help="A new machine's network: everything but --deny, or only --allow.")
 @click.option("--allow", multiple=True, help="Host name, *.domain or CIDR it may reach; repeatable.")
 @click.option("--deny", multiple=True, help="Host name, *.domain or CIDR it may not reach; repeatable.")
+@click.option("--host-trust/--no-host-trust", default=None,
+              help="A new machine takes this host's CA certificates and proxy settings "
+                   "[default: $REWIND_HOST_TRUST, off].")
 @json_option
 def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str, ...],
           image_name: str | None, internet: bool, allow: tuple[str, ...], deny: tuple[str, ...],
-          as_json: bool) -> None:
+          host_trust: bool | None, as_json: bool) -> None:
     """Start machine NAME: a new one, or a stopped one again."""
     from rewind.sandbox import Sandbox
 
@@ -155,7 +158,8 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
             sbx = maker.create(name, memory=parse_mib(memory), cpus=cpus,
                                disk=parse_mib(disk) if disk else 0, image=image_name,
                                labels=parse_pairs(labels, "--label"), progress=report,
-                               network={"internet": internet, "allow": list(allow), "deny": list(deny)})
+                               network={"internet": internet, "allow": list(allow), "deny": list(deny)},
+                               host_trust=host_trust)
     info = sbx.info()
     if as_json:
         emit_json(dataclasses.asdict(info))
@@ -862,16 +866,26 @@ def image() -> None:
 
 
 @image.command(name="build")
+@click.argument("context", required=False, type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Rebuild even if the current recipe is built.")
 @click.option("--from", "source", default=None, metavar="SOURCE",
               help="An OCI or Docker image: oci-archive:PATH, docker-archive:PATH or oci:DIR (needs --name).")
+@click.option("-f", "--file", "dockerfile", default=None, type=click.Path(dir_okay=False),
+              help="A Dockerfile to build (with Buildah) from CONTEXT [default: its folder] (needs --name).")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE",
+              help="For the Dockerfile's ARGs; repeatable.")
 @click.option("--name", default=None, help="The name of an image built --from an image or a Dockerfile.")
 @json_option
-def image_build(force: bool, source: str | None, name: str | None, as_json: bool) -> None:
-    """Build the default guest image (Debian packages) and its booted template, or, with
-    --from and --name, an image of your own from an OCI or Docker image."""
-    if source is not None or name is not None:
-        return _build_custom(source, name, force, as_json)
+def image_build(context: str | None, force: bool, source: str | None, dockerfile: str | None,
+                build_args: tuple[str, ...], name: str | None, as_json: bool) -> None:
+    """Build the default guest image (Debian packages) and its booted template; or, with
+    --name, an image of your own: --from an OCI or Docker image, or -f a Dockerfile [CONTEXT].
+
+    A Dockerfile's FROM names an image of yours built --from an archive, or one already in
+    rewind's builder; no registry is asked."""
+    if source is not None or name is not None or dockerfile is not None or context is not None:
+        return _build_custom(source, dockerfile, context, parse_pairs(build_args, "--build-arg"), name,
+                             force, as_json)
     from rewind.image import build_image
 
     engine = _engine()
@@ -889,18 +903,29 @@ def image_build(force: bool, source: str | None, name: str | None, as_json: bool
         click.echo(f"image {built.id} ready at {built.path}")
 
 
-def _build_custom(source: str | None, name: str | None, force: bool, as_json: bool) -> None:
-    from rewind.image.custom import build_from_image
+def _build_custom(source: str | None, dockerfile: str | None, context: str | None, build_args: dict[str, str],
+                  name: str | None, force: bool, as_json: bool) -> None:
+    from rewind.image.custom import build_from_dockerfile, build_from_image
+    from rewind.image.dockerfile import builder_for
 
-    if source is None or name is None:
-        raise InvalidArgument("an image of your own needs both --from SOURCE and --name NAME")
+    if (source is None) == (dockerfile is None) or name is None:
+        raise InvalidArgument("an image of your own needs --name NAME and one of --from SOURCE or "
+                              "-f DOCKERFILE")
     if force:
         raise InvalidArgument("--force rebuilds the default image; remove an image of your own with "
                               "`rewind image rm NAME` first")
+    if context is not None and dockerfile is None:
+        raise InvalidArgument("a build CONTEXT goes with -f DOCKERFILE")
     engine = _engine()
     started = time.monotonic()
     with progress(not as_json) as report:
-        built = build_from_image(engine.home.images, name, source, report)
+        if dockerfile is not None:
+            file = Path(dockerfile)
+            built = build_from_dockerfile(engine.home.images, builder_for(engine.home.root), name, file,
+                                          Path(context) if context else file.parent, report, build_args)
+        else:
+            assert source is not None
+            built = build_from_image(engine.home.images, name, source, report)
     data = {**_image_row(built), "seconds": round(time.monotonic() - started, 1)}
     if as_json:
         emit_json(data)
@@ -966,8 +991,10 @@ def image_rm(name: str, as_json: bool) -> None:
 
 
 def _image_users(engine: Engine, name: str) -> list[str]:
-    """What keeps image NAME in use: machines of it, and checkpoints of machines of it."""
+    """What keeps image NAME in use: machines of it, and checkpoints of machines of it (those
+    still being stored read its disk: they are waited for)."""
     users = [f"machine {m.name}" for m in engine.list() if m.record.image_id == name]
+    engine.settle()
     store = _store(None)
     users += [f"checkpoint {c.id[:12]}" for c in store.list() if c.meta.get("image_id") == name]
     return users

@@ -147,7 +147,7 @@ class Sandbox:
     def create(cls, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | Checkpoint | None = None, at: str | None = None,
-               network: dict | None = None,
+               network: dict | None = None, host_trust: bool | None = None,
                home: Home | str | os.PathLike[str] | None = None,
                store: str | os.PathLike[str] | None = None,
                progress: Callable[[str], None] | None = None) -> Sandbox:
@@ -160,8 +160,13 @@ class Sandbox:
 
         `network` gives the machine's first rules, as for `sbx.network.set`:
         `{"internet": False, "allow": ["pypi.org"]}`; by default it reaches the internet
-        but not the host's loopback services."""
+        but not the host's loopback services.
+
+        `host_trust`: the machine takes this host's CA certificates and proxy settings (for a
+        host behind a TLS-inspecting proxy); default: $REWIND_HOST_TRUST (`1` turns it on)."""
         engine = _engine(home)
+        if host_trust is None:
+            host_trust = os.environ.get("REWIND_HOST_TRUST", "") in ("1", "true", "yes")
         rules = NetworkRules.from_json(network) if network is not None else None
         if isinstance(from_checkpoint, Checkpoint):
             from_checkpoint = from_checkpoint.id
@@ -170,7 +175,8 @@ class Sandbox:
                                          labels=labels, at=at, network=rules)
         else:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
-                                    image=image, network=rules, report=progress or (lambda _: None))
+                                    image=image, network=rules, host_trust=host_trust,
+                                    report=progress or (lambda _: None))
         return cls(machine, store)
 
     @staticmethod

@@ -12,6 +12,7 @@ exclusively; agent sessions hold it shared plus one of the agent ports.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -33,11 +34,13 @@ from rewind.engine import (
     MAX_CPUS,
     MIN_MEMORY_MIB,
     diskchain,
+    hosttrust,
     netfilter,
     ports,
     ramcache,
 )
 from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient, ExecDefaults
+from rewind.engine.hosttrust import HostTrust
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.migstream import has_configuration
@@ -518,6 +521,23 @@ class Machine:
             client.set_identity(hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                                 seed=secrets.token_hex(32), time=time.time())
 
+    def take_trust(self, trust: HostTrust) -> None:
+        """Install the host's CA certificates into the guest's trust store, and make the
+        variables that point tools at that store, and the host's proxies, every command's
+        defaults."""
+        with self.agent() as agent:
+            agent.write_file(hosttrust.GUEST_ADDED, io.BytesIO(trust.certificates), 0o644)
+            done = agent.exec(["sh", "-c", hosttrust.INSTALL], timeout=120)
+        if not done.ok:
+            raise RewindError(f"machine {self.name!r}: installing the host's CA certificates failed: "
+                              f"{(done.stderr or done.stdout).strip()[-300:]}")
+
+        def change(r: MachineRecord) -> None:
+            r.exec = {**r.exec, "env": {**r.exec.get("env", {}), **trust.env()}}
+            r.extra["host_trust"] = {"bundle": trust.bundle, "proxies": sorted(trust.proxies)}
+        with self.locked(shared=True):
+            self.update(change)
+
     def grow_disk(self, disk_mib: int) -> None:
         """Grow the virtual disk (the guest sees the new size at once) and its file system."""
         with self.monitor() as mon:
@@ -907,8 +927,10 @@ class Engine:
     def create(self, name: str | None = None, *, memory_mib: int = DEFAULT_MEMORY_MIB,
                cpus: int = DEFAULT_CPUS, disk_mib: int = 0, labels: dict[str, str] | None = None,
                image: str | None = None, network: NetworkRules | None = None,
-               report: Report = lambda _: None) -> Machine:
-        """Create and start a machine from the booted template. Nothing is left behind on failure."""
+               host_trust: bool = False, report: Report = lambda _: None) -> Machine:
+        """Create and start a machine from the booted template; with `host_trust`, it takes this
+        host's CA certificates and proxy settings (see hosttrust.py). Nothing is left behind on
+        failure."""
         from rewind.engine.template import template_state
 
         if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
@@ -922,6 +944,7 @@ class Engine:
             raise InvalidArgument(f"disk must be at least the image's {base_mib} MiB (got {disk_mib})")
         if name is not None:
             validate_name(name)
+        trust = HostTrust.collect() if host_trust else None  # a host with none to give fails first
         template = self.template(memory_mib, cpus, chosen, report)
         machine = self.new_machine(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
@@ -932,6 +955,10 @@ class Engine:
                 machine.grow_disk(disk_mib)
                 machine.record.disk_size_mib = disk_mib
                 machine.save()
+        if trust is not None:
+            report(f"{machine.name} takes {trust.describe()}")
+            with self._undo_on_failure(machine):
+                machine.take_trust(trust)
         return machine
 
     def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,

@@ -35,6 +35,8 @@ RECIPE: dict = {
     "packages": [
         "bash", "coreutils", "git", "python3", "python3-dulwich", "ca-certificates", "iproute2",
         "busybox-static", "kmod", "procps", "curl", "e2fsprogs",
+        # What an agent reaches for first: pip and venv, Node.js and npm, a compiler, jq, unzip.
+        "python3-pip", "python3-venv", "nodejs", "npm", "build-essential", "jq", "unzip", "xz-utils",
     ],
     "kernel": "linux-image-amd64",
     # All the guest needs, loaded by the initramfs: an image brings no kernel modules.

@@ -34,6 +34,7 @@ from rewind.image.build import (
     check_image_name,
     run_tool,
 )
+from rewind.image.dockerfile import Builder
 
 Report = Callable[[str], None]
 # The root disk's size, as the guest sees it: the default image's, or twice what the image
@@ -55,6 +56,62 @@ def build_from_image(images_dir: Path, name: str, source: str, report: Report = 
         defaults = {"env": config.env, "cwd": config.working_dir, "user": config.user}
         return _finish(images_dir, name, staging, root, defaults,
                        {"kind": kind, "path": str(path.resolve()), "digest": config.digest}, report)
+
+
+def build_from_dockerfile(images_dir: Path, builder: Builder, name: str, dockerfile: Path, context: Path,
+                          report: Report = lambda _: None, build_args: dict[str, str] | None = None) -> Image:
+    """Make image `name` from a Dockerfile, built by `builder` (Buildah, see dockerfile.py).
+    FROM may name an image the builder holds, or an image of rewind's made --from an archive
+    that is still there (it is handed to the builder first)."""
+    _check_new_name(images_dir, name)
+    for base in from_names(dockerfile):
+        _offer_base(images_dir, builder, base)
+    with _staging(images_dir, name) as staging:
+        archive = staging / "work" / "image.tar"
+        try:
+            builder.build(dockerfile, context, archive, report, build_args)
+        except ImageError as e:  # the log would go with the staging folder: keep it
+            log = archive.with_name(f"{archive.name}.log")
+            kept = images_dir / ".logs" / f"{name}.log"
+            if not log.is_file():
+                raise
+            kept.parent.mkdir(exist_ok=True)
+            os.replace(log, kept)
+            raise ImageError(str(e).replace(str(log), str(kept))) from e
+        root = staging / "work" / "rootfs"
+        root.mkdir()
+        config = oci.unpack(f"oci-archive:{archive}", root, report)
+        archive.unlink()
+        defaults = {"env": config.env, "cwd": config.working_dir, "user": config.user}
+        source = {"kind": "dockerfile", "path": str(dockerfile.resolve()), "context": str(context.resolve()),
+                  "digest": config.digest}
+        return _finish(images_dir, name, staging, root, defaults, source, report)
+
+
+def from_names(dockerfile: Path) -> list[str]:
+    """The images a Dockerfile's FROM lines name (not `scratch`, nor its own stages)."""
+    try:
+        lines = dockerfile.read_text().splitlines()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the Dockerfile {dockerfile}: {e.strerror}") from e
+    names, stages = [], set()
+    for line in lines:
+        words = [w for w in line.split() if not w.startswith("--")]
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            if words[1] != "scratch" and words[1] not in stages:
+                names.append(words[1])
+            if len(words) >= 4 and words[2].upper() == "AS":
+                stages.add(words[3])
+    return names
+
+
+def _offer_base(images_dir: Path, builder: Builder, base: str) -> None:
+    path = images_dir / base
+    if not base.islower() or not (path / MANIFEST_FILE).is_file():
+        return
+    source = Image.load(path).source
+    if source.get("kind") in ("oci-archive", "docker-archive", "oci") and Path(source["path"]).exists():
+        builder.import_image(f"{source['kind']}:{source['path']}", base)
 
 
 class _staging:

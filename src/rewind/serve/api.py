@@ -68,6 +68,8 @@ class CreateBody(BaseModel):
     from_checkpoint: str | None = Field(None, description="Start from this checkpoint instead of booting")
     at: str | None = Field(None, description="Count back from from_checkpoint, such as ~2")
     network: dict | None = Field(None, description='First rules: {"internet": false, "allow": ["pypi.org"]}')
+    host_trust: bool | None = Field(None, description="Take the server host's CA certificates and proxy "
+                                                      "settings (default: its REWIND_HOST_TRUST)")
 
 
 class ExecBody(BaseModel):

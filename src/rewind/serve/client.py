@@ -118,13 +118,15 @@ class Remote:
     def create(self, name: str | None = None, *, memory: int | None = None, cpus: int | None = None,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | Checkpoint | None = None, at: str | None = None,
-               network: dict | None = None, progress: Callable[[str], None] | None = None,
+               network: dict | None = None, host_trust: bool | None = None,
+               progress: Callable[[str], None] | None = None,
                idempotency_key: str | None = None) -> RemoteSandbox:
-        """As Sandbox.create. `progress` gets each step as the server reports it."""
+        """As Sandbox.create (`host_trust` is the server host's). `progress` gets each step as the
+        server reports it."""
         if isinstance(from_checkpoint, Checkpoint):
             from_checkpoint = from_checkpoint.id
         body = {"name": name, "memory": memory, "cpus": cpus, "disk": disk, "labels": labels, "image": image,
-                "from_checkpoint": from_checkpoint, "at": at, "network": network}
+                "from_checkpoint": from_checkpoint, "at": at, "network": network, "host_trust": host_trust}
         if progress is not None and idempotency_key is None:
             info = self.reported("/machines", body, progress)
         else:

@@ -77,10 +77,12 @@ def build_server(service: Service) -> MCPServer:
     @tool(WRITE)
     async def create(ctx: Context, name: str | None = None, labels: dict[str, str] | None = None,
                      from_checkpoint: str | None = None, at: str | None = None,
-                     network: dict | None = None, image: str | None = None) -> dict[str, Any]:
+                     network: dict | None = None, image: str | None = None,
+                     host_trust: bool | None = None) -> dict[str, Any]:
         """Start a new machine (a few seconds), or one running from a checkpoint (`from_checkpoint`:
         an id, id prefix or name; `at`: such as ~2 to count back from it). `image`: one built
-        with `rewind image build --from ...` (default: the built Debian one). Progress is reported."""
+        with `rewind image build --from ...` (default: the built Debian one). `host_trust`: take the
+        server host's CA certificates and proxy settings. Progress is reported."""
         steps = 0
 
         def progress(step: str) -> None:
@@ -90,7 +92,7 @@ def build_server(service: Service) -> MCPServer:
 
         return await anyio.to_thread.run_sync(functools.partial(
             service.create, name, labels=labels, from_checkpoint=from_checkpoint, at=at, network=network,
-            image=image, progress=progress))
+            image=image, host_trust=host_trust, progress=progress))
 
     @tool(READ)
     def list_machines(labels: dict[str, str] | None = None) -> dict[str, Any]:

@@ -49,11 +49,12 @@ class Service:
     def create(self, name: str | None = None, *, memory: int | None = None, cpus: int | None = None,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | None = None, at: str | None = None, network: dict | None = None,
+               host_trust: bool | None = None,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         sizes = {k: v for k, v in (("memory", memory), ("cpus", cpus)) if v is not None}
         sbx = Sandbox.create(name, disk=disk, labels=labels, image=image, from_checkpoint=from_checkpoint,
-                             at=at, network=network, home=self.home, store=self.store_path,
-                             progress=progress, **sizes)
+                             at=at, network=network, host_trust=host_trust, home=self.home,
+                             store=self.store_path, progress=progress, **sizes)
         return wire.info_json(sbx.info())
 
     def list(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
