@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rewind.bench import diffs, faces, loop, ours
+from rewind.bench import diffs, faces, loop, ours, world
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import PEERS, run_peers
@@ -79,6 +79,7 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             else:
                 run_peers(big, report, touched, rounds, progress)
             big.delete()
+            world.own_image(home, report, progress)
             if quick:  # a minute of uploads; tests/test_s3_store.py covers what they exercise
                 progress("store in a bucket: not run with --quick")
             else:

@@ -126,6 +126,12 @@ class Builder:
                 raise ImageError(f"buildah pull of {source} named no image")
             self._run(["tag", pulled[-1], f"localhost/{name}"])
 
+    def export(self, name: str, out: Path) -> None:
+        """Write local image `name` to `out` as an OCI archive (what `podman save --format
+        oci-archive` writes)."""
+        with self._session():
+            self._run(["push", "--quiet", f"localhost/{name}", f"oci-archive:{out.absolute()}"])
+
     def remove_all(self) -> None:
         """Drop every image and container of this builder: its two folders go. Its commands mount
         nothing on the host, so nothing there holds them."""
