@@ -19,6 +19,7 @@ from invariants import wait_until
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from openapi_spec_validator import validate
+from prometheus_client.parser import text_string_to_metric_families
 from serving import home_env, served
 
 from rewind import Home
@@ -356,3 +357,33 @@ def test_ports_over_http_reach_a_guest_server(http: httpx2.Client, machine: str)
     _problem(http.post(f"/machines/{machine}/ports", json={"guest_port": 0}), 422, "InvalidArgument")
     assert http.delete(f"/machines/{machine}/ports/8080").json() == forward
     assert http.get(f"/machines/{machine}/ports").json() == []
+
+
+def test_metrics_parse_and_move_with_operations(http: httpx2.Client, machine: str) -> None:
+    def scrape() -> dict[tuple[str, tuple], float]:
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+    before = scrape()
+    ok_execs = ("rewind_operations_total", (("kind", "exec"), ("outcome", "ok")))
+    missing = ("rewind_operations_total", (("kind", "exec"), ("outcome", "NotFound")))
+    assert http.post(f"/machines/{machine}/exec", json={"cmd": "true"}).status_code == 200
+    assert http.post("/machines/no-such/exec", json={"cmd": "true"}).status_code == 404
+    after = scrape()
+    assert after[ok_execs] == before.get(ok_execs, 0) + 1
+    assert after[missing] == before.get(missing, 0) + 1
+    assert after[("rewind_operation_seconds_count", (("kind", "exec"),))] >= 2
+    assert after[("rewind_machines", (("state", "running"),))] >= 1
+    assert after[("rewind_shm_bytes", ())] > 0 and ("rewind_store_bytes", ()) in after
+    assert ("rewind_uploads_queued", ()) in after
+
+
+def test_every_answer_carries_a_request_id(url: str, http: httpx2.Client) -> None:
+    r = http.get("/machines", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    refused = httpx2.get(f"{url}/machines")  # no token: refused, still with an id
+    assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 16
+    assert http.get("/health", headers={"X-Request-Id": "bad id with spaces"}).headers["x-request-id"] != \
+        "bad id with spaces"

@@ -46,6 +46,8 @@ from rewind.serve.access import (
     is_loopback,
     read_token_file,
 )
+from rewind.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from rewind.serve.requestlog import RequestIds, log_as_json_lines
 from rewind.serve.service import MAX_FORKS, Service
 
 SSE = "text/event-stream"
@@ -283,8 +285,17 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
         return JSONResponse(body, exc.status_code, media_type=wire.PROBLEM_TYPE)
 
     @app.get("/health", tags=["server"])
-    def health() -> dict:
+    async def health() -> dict:
+        # On the event loop, not in the threadpool: a pool busy with guest commands and
+        # checkpoints must not make the daemon look dead.
         return {"ok": True}
+
+    @app.get("/metrics", tags=["server"], response_class=Response,
+             responses={200: {"content": {METRICS_TYPE: {}}}})
+    def metrics() -> Response:
+        """Prometheus metrics: operations by kind and outcome with their latency, machines by
+        state, the store's bytes, uploads queued, memory files on tmpfs."""
+        return Response(service.metrics.render(), media_type=METRICS_TYPE)
 
     # ---- machines ----
 
@@ -463,7 +474,8 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
 
     _document_bearer(app, token is not None)
     binary = frozenset(r.path for r in app.routes if getattr(r, "openapi_extra", None) == BINARY_BODY)
-    return RequestGuard(app if token is None else BearerAuth(app, token), policy, app.routes, binary)
+    checked = RequestGuard(app if token is None else BearerAuth(app, token), policy, app.routes, binary)
+    return RequestIds(checked)  # outermost: refusals carry an id too
 
 
 def _mcp_security(policy: AccessPolicy) -> TransportSecuritySettings:
@@ -569,5 +581,7 @@ def serve(service: Service, host: str, port: int, token: str | None, policy: Acc
         print(f"rewind: the token is in {token_path}; clients on this host: "
               f"REWIND_URL={url} rewind ls (a daemon on loopback lends its token to this home's CLI), "
               f"elsewhere: REWIND_TOKEN=$(cat {token_path})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service, token, policy), log_level="warning", lifespan="on")
+    log_as_json_lines()
+    config = uvicorn.Config(create_app(service, token, policy), log_level="warning", lifespan="on",
+                            log_config=None)
     uvicorn.Server(config).run(sockets=[sock])

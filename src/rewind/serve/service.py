@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from rewind.guard.userrules import find_rules
 from rewind.home import Home
 from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
 from rewind.serve import wire
+from rewind.serve.metrics import Metrics, measured
 from rewind.store import Store, export_checkpoint, import_checkpoint
 
 MAX_FORKS = 64
@@ -30,6 +31,10 @@ MAX_FORKS = 64
 class Service:
     home: Home
     store_path: str | os.PathLike[str] | None = None
+    metrics: Metrics = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "metrics", Metrics(self))  # counts what both faces do
 
     @classmethod
     def from_env(cls, store: str | os.PathLike[str] | None = None) -> Service:
@@ -46,6 +51,7 @@ class Service:
 
     # ---- machines ----
 
+    @measured("create")
     def create(self, name: str | None = None, *, memory: int | None = None, cpus: int | None = None,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | None = None, at: str | None = None, network: dict | None = None,
@@ -63,11 +69,13 @@ class Service:
     def info(self, name: str) -> dict[str, Any]:
         return wire.info_json(self.sandbox(name).info())
 
+    @measured("stop")
     def stop(self, name: str) -> dict[str, Any]:
         sbx = self.sandbox(name)
         sbx.stop()
         return wire.info_json(sbx.info())
 
+    @measured("start")
     def start(self, name: str, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         sbx = self.sandbox(name)
         sbx.start(progress)
@@ -76,11 +84,13 @@ class Service:
     def set_labels(self, name: str, changes: dict[str, str | None]) -> dict[str, str]:
         return self.sandbox(name).set_labels(changes)
 
+    @measured("delete")
     def delete(self, name: str) -> None:
         self.sandbox(name).delete()
 
     # ---- commands ----
 
+    @measured("exec")
     def exec(self, name: str, cmd: Command, *, cwd: str | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stdin: str | bytes | None = None, max_output: int | None = None,
              on_stdout: Callable[[str], None] | None = None,
@@ -101,12 +111,14 @@ class Service:
         except InvalidArgument:
             return None
 
+    @measured("guarded")
     def guarded(self, name: str, cmd: str, *, verify: str | None = None, allow_external: bool = False,
                 cwd: str | None = None, timeout: float | None = None, offline: bool = False
                 ) -> dict[str, Any]:
         return self.sandbox(name).guarded(cmd, verify=verify, allow_external=allow_external, cwd=cwd,
                                           timeout=timeout, offline=offline).to_json()
 
+    @measured("try")
     def try_in_copy(self, name: str, step: str, verify: str | None = None, *, offline: bool = True,
                     cwd: str | None = None, timeout: float = 600.0, diff: bool = True) -> dict[str, Any]:
         sbx = self.sandbox(name)
@@ -155,6 +167,7 @@ class Service:
 
     # ---- checkpoints ----
 
+    @measured("checkpoint")
     def checkpoint(self, name: str, point_name: str | None = None, labels: dict[str, str] | None = None,
                    wait: bool = False, context: str | None = None) -> dict[str, Any]:
         point = self.sandbox(name).checkpoint(point_name, labels, wait=wait, context=context)
@@ -163,9 +176,11 @@ class Service:
     def history(self, name: str) -> list[dict[str, Any]]:
         return [wire.checkpoint_json(c) for c in self.sandbox(name).history()]
 
+    @measured("restore")
     def restore(self, name: str, ref: str) -> dict[str, Any]:
         return wire.checkpoint_json(self.sandbox(name).restore(ref))
 
+    @measured("fork")
     def fork(self, name: str, count: int = 1, names: list[str] | None = None,
              labels: dict[str, str] | None = None, network: dict | None = None) -> list[dict[str, Any]]:
         """`count` live copies from one capture (or one per name in `names`), one result each."""
@@ -190,10 +205,12 @@ class Service:
         return {**wire.checkpoint_json(Checkpoint.of(point)), "history": history,
                 "children": [wire.checkpoint_json(c) for c in children]}
 
+    @measured("export")
     def export(self, ref: str, out: Path) -> dict[str, Any]:
         manifest = export_checkpoint(self.store(settled=True), ref, out)
         return {"id": manifest.id, "name": manifest.name}
 
+    @measured("import")
     def import_(self, src: Path) -> dict[str, Any]:
         manifest = import_checkpoint(self.store(), src)
         return {"id": manifest.id, "name": manifest.name}
