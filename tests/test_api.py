@@ -19,7 +19,7 @@ from rewind.home import Home
 PUBLIC = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
     "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
-    "MachineNotRunning", "NotFound", "Outcome", "Refused", "RewindError", "Sandbox", "classify",
+    "MachineNotRunning", "NotFound", "Outcome", "Refused", "RewindError", "Sandbox", "TreeCopy", "classify",
     "try_in_copy",
 ]
 
