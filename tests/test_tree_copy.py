@@ -188,7 +188,8 @@ def test_a_tree_goes_in_and_comes_back_byte_for_byte(sbx: Sandbox, tmp_path: Pat
     assert sbx.exec("ls -A /root | grep -c partial").stdout == "0\n"
 
 
-def test_an_existing_folder_receives_the_copy_inside_never_merged(sbx: Sandbox, tmp_path: Path) -> None:
+def test_an_existing_folder_receives_the_copy_inside_never_merged(sbx: Sandbox, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "proj"
     (src / "a").mkdir(parents=True)
     (src / "a" / "f").write_text("f\n")
@@ -202,6 +203,9 @@ def test_an_existing_folder_receives_the_copy_inside_never_merged(sbx: Sandbox, 
     assert (tmp_path / "out" / "a" / "f").read_text() == (tmp_path / "out" / "proj" / "a" / "f").read_text()
     with pytest.raises(AlreadyExists, match="never merges"):
         sbx.files.download_dir("/root/into/proj", tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    sbx.files.download_dir("/root/into/proj/a", "relative")
+    assert (tmp_path / "relative" / "f").read_text() == "f\n"
     (tmp_path / "deep").mkdir()
     sbx.files.upload_dir(tmp_path / "deep", "/root/made/parents/too")
     assert sbx.exec("test -d /root/made/parents/too").ok

@@ -455,7 +455,7 @@ def unpacked(chunks: Iterable[bytes], path: str, local: str | os.PathLike[str],
     name = posixpath.basename(posixpath.normpath(path)) or None
     counts = tree.Counts()
     with _tree_errors():
-        target = tree.target(os.fspath(local), name)
+        target = tree.target(os.path.abspath(local), name)
         tree.receive(target, _reported(chunks, counts, progress), 0o777, counts)
     return counts.as_dict()
 
