@@ -85,6 +85,8 @@ def pack(root: str, counts: Counts) -> Iterator[bytes]:
     """The tar stream of the folder `root`, in pieces; `counts` follows what it packed."""
     for name, path, st in _walk(root):
         info = tarfile.TarInfo(name)
+        # A float mtime costs a PAX header per entry: unpacking 2,000 files under TCG took
+        # 7.0-7.6 s with them, 5.6-6.4 s with whole seconds. Kept: tools compare mtimes.
         info.mode, info.mtime = stat.S_IMODE(st.st_mode), st.st_mtime
         if stat.S_ISDIR(st.st_mode):
             info.type = tarfile.DIRTYPE
