@@ -6,6 +6,7 @@ is checked against hostile streams on the host, where it also guards downloads."
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -241,17 +242,39 @@ def test_a_full_guest_disk_is_an_error_and_leaves_no_partial_copy(sbx: Sandbox, 
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "sub" / "small").write_text("small\n")
-    (src / "sub" / "big.bin").write_bytes(os.urandom(5 << 20))
+    # Big enough that much is still on its way when the guest fails: the next command must
+    # still be answered at once (the host once hung up on data the guest had not read).
+    (src / "sub" / "big.bin").write_bytes(os.urandom(32 << 20))
     sbx.exec("mkdir -p /mnt/small && mount -t tmpfs -o size=1m tmpfs /mnt/small", check=True)
     try:
         with pytest.raises(GuestFileError, match="No space left on device") as full:
             sbx.files.upload_dir(src, "/mnt/small/proj")
         assert "\n" not in str(full.value)
-        assert sbx.exec("ls -A /mnt/small").stdout == "", "a partial copy was left"
+        assert sbx.exec("ls -A /mnt/small", timeout=10).stdout == "", "a partial copy was left"
         (src / "sub" / "big.bin").unlink()
         assert sbx.files.upload_dir(src, "/mnt/small/proj").files == 1  # the machine and its agent carry on
     finally:
         sbx.exec("umount /mnt/small", check=True)
+
+
+def test_a_source_that_fails_part_way_leaves_nothing_and_the_agent_answers(sbx: Sandbox) -> None:
+    whole = stream(("file", "big.bin", os.urandom(24 << 20)))
+
+    class Failing(io.RawIOBase):
+        """The first 8 MiB of the stream, then a read error."""
+
+        def __init__(self) -> None:
+            self.at = 0
+
+        def read(self, size: int = -1) -> bytes:
+            if self.at >= 8 << 20:
+                raise OSError(errno.EIO, "the source failed")
+            self.at += (size := max(size, 0) or 1 << 20)
+            return whole[self.at - size : self.at]
+
+    with pytest.raises(OSError, match="the source failed"):
+        sbx.files.upload_tar(Failing(), "/root/failed")
+    assert sbx.exec("ls -d /root/failed /root/.failed* 2>&1 | wc -l", timeout=10).stdout == "2\n"
 
 
 def test_a_hostile_tar_into_the_guest_cannot_write_outside(sbx: Sandbox) -> None:

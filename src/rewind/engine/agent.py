@@ -354,15 +354,32 @@ class AgentClient:
 
     def _stream(self, blocks: Iterable[bytes]) -> None:
         """Send `blocks` as data frames, then `end`. If the guest answers first (it failed part
-        way: a full disk), the rest is not sent and its error is raised."""
-        for block in blocks:
+        way: a full disk), the rest is not sent and its error is raised; if `blocks` fails (a
+        host file unreadable), the guest is told the data ended before that is raised."""
+        source = iter(blocks)
+        while True:
+            try:
+                block = next(source, None)
+            except Exception:
+                self._cut_short()
+                raise
+            if block is None:
+                break
             if (early := self._early_answer()) is not None:
-                self._send({"t": "end"})
+                self._cut_short()
                 if early.get("t") == "error":
                     raise _guest_error(early)
                 raise AgentError(f"the guest agent answered {early.get('t')!r} before the data's end")
             self._send({"t": "data"}, block)
         self._send({"t": "end"})
+
+    def _cut_short(self) -> None:
+        """End the data of a request given up on, and wait until the guest has read all of it
+        (a ping's answer comes after): QEMU drops what the guest has not read when the host
+        hangs up, and a frame cut in two there left that port's agent deaf to the next
+        client's hello (seen after a full disk stopped a folder upload)."""
+        self._send({"t": "end"})
+        self.ping()
 
     def _early_answer(self) -> dict | None:
         """A frame the agent has sent, if any, while the host sends it data (late answers to
