@@ -189,6 +189,17 @@ def test_a_tree_goes_in_and_comes_back_byte_for_byte(sbx: Sandbox, tmp_path: Pat
     assert sbx.exec("ls -A /root | grep -c partial").stdout == "0\n"
 
 
+def test_a_big_upload_is_read_no_further_ahead_than_it_is_written(sbx: Sandbox, tmp_path: Path) -> None:
+    src = tmp_path / "big"
+    src.mkdir()
+    for i in range(4):
+        (src / f"part{i}").write_bytes(os.urandom(24 << 20))
+    assert sbx.files.upload_dir(src, "/root/big").bytes == 96 << 20
+    peaks = sbx.exec("for p in $(pgrep -f agent.py); do awk '/VmHWM/ {print $2}' /proc/$p/status; done; "
+                     "rm -rf /root/big", check=True).stdout.split()
+    assert max(int(kib) for kib in peaks) < 48 << 10, peaks  # KiB: the agent does not hold the stream
+
+
 def test_an_existing_folder_receives_the_copy_inside_never_merged(sbx: Sandbox, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "proj"

@@ -48,6 +48,9 @@ DEFAULT_ENV = {
 DEFAULT_OUTPUT_CAP = 16 << 20
 TIMEOUT_EXIT_CODE = 124  # as GNU timeout reports it
 HOST_GONE_AFTER = 2.0  # seconds without a host before output is abandoned
+# What a request's reader takes in ahead of what it has handled (two whole frames at least):
+# reading all that was there held 400 MB of a folder upload, and the OOM killer took the agent.
+READ_AHEAD = 4 << 20
 
 
 class Reset(Exception):
@@ -105,16 +108,19 @@ class Port:
         self.host_gone = False
         self.session: str | None = None  # the nonce of the client being served
 
-    def pump(self) -> None:
-        """Read all that is available into the decoder."""
+    def pump(self, limit: int | None = None) -> bool:
+        """Read what is available into the decoder, while it holds less than `limit` bytes if
+        given; True if it stopped there (more may be waiting)."""
         while True:
+            if limit is not None and self.decoder.buffered() >= limit:
+                return True
             try:
                 data = os.read(self.fd, 1 << 20)
             except BlockingIOError:
-                return
+                return False
             if not data:
                 self.host_gone = True  # for now: wait for an edge before reading again
-                return
+                return False
             self.decoder.feed(data)
 
     def take(self, in_request: bool) -> tuple[dict, bytes] | None:
@@ -137,11 +143,11 @@ class Port:
             if self.host_gone:
                 self.edges.poll(5.0)  # bounded, in case an edge is missed
                 self.host_gone = False
-            self.pump()
+            more = self.pump(READ_AHEAD)
             frame = self.take(in_request)
             if frame:
                 return frame
-            if not self.host_gone:
+            if not self.host_gone and not more:
                 self.edges.poll(1.0)
 
     def heed(self) -> None:
