@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from rewind.engine.diff import Diff
 
 DEFAULT_URL = "http://127.0.0.1:7070"
-OCTETS = {"Content-Type": "application/octet-stream"}
+RAW_BODY = {"Content-Type": "application/octet-stream"}
 
 
 def _home_token(url: str) -> str | None:
@@ -301,7 +301,7 @@ class RemoteFiles:
     def write(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         raw = data.encode() if isinstance(data, str) else data
         params: dict[str, Any] = {"path": path} | ({"mode": mode} if mode is not None else {})
-        self._sbx._call("PUT", "/files", params=params, content=raw, headers=OCTETS)
+        self._sbx._call("PUT", "/files", params=params, content=raw, headers=RAW_BODY)
 
     def upload(self, local: str | os.PathLike[str], path: str) -> None:
         """As Files.upload; the file is streamed, not read into memory."""
@@ -310,7 +310,7 @@ class RemoteFiles:
             raise InvalidArgument(f"not a file on this host: {local}")
         with open(local, "rb") as body:
             self._sbx._call("PUT", "/files", params={"path": path, "mode": local.stat().st_mode & 0o7777},
-                            content=body, headers=OCTETS)
+                            content=body, headers=RAW_BODY)
 
     def download(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         """As Files.download: streamed, and the host file appears only once complete."""
@@ -351,7 +351,7 @@ class RemoteFiles:
     def _put_tree(self, path: str, name: str | None, body: Iterator[bytes]) -> TreeCopy:
         started = time.monotonic()
         params = {"path": path} | ({"folder": name} if name else {})
-        answer = self._sbx._call("PUT", "/tree", params=params, content=body, headers=OCTETS)
+        answer = self._sbx._call("PUT", "/tree", params=params, content=body, headers=RAW_BODY)
         return dataclasses.replace(TreeCopy(**answer), seconds=round(time.monotonic() - started, 3))
 
     def _tar(self, path: str, max_bytes: int | None) -> Iterator[bytes]:
