@@ -20,7 +20,7 @@ PUBLIC = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
     "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
     "MachineNotRunning", "NotFound", "Outcome", "PortForward", "Refused", "RewindError", "Sandbox",
-    "classify", "try_in_copy",
+    "TreeCopy", "classify", "try_in_copy",
 ]
 
 

@@ -17,7 +17,7 @@ _EXPORTS = {
     "ExecResult": "rewind.engine.agent",
     "Home": "rewind.home",
     "Checkpoint": "rewind.sandbox", "Files": "rewind.sandbox", "Sandbox": "rewind.sandbox",
-    "try_in_copy": "rewind.sandbox",
+    "TreeCopy": "rewind.sandbox", "try_in_copy": "rewind.sandbox",
     "classify": "rewind.guard.classify", "Decision": "rewind.guard.classify",
     "Outcome": "rewind.guard.trial",
     "PortForward": "rewind.engine.ports",
@@ -30,7 +30,7 @@ __all__ = [
     "AgentError", "AgentGone", "AlreadyExists", "Busy", "Checkpoint", "CommandFailed", "Decision",
     "ExecResult", "Files", "GuardedResult", "Home", "ImageError", "InvalidArgument", "MachineDied",
     "MachineNotRunning", "NotFound", "Outcome", "PortForward", "Refused", "RewindError", "Sandbox",
-    "classify", "try_in_copy",
+    "TreeCopy", "classify", "try_in_copy",
 ]
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from rewind.guard.guarded import GuardedResult, Refused
     from rewind.guard.trial import Outcome
     from rewind.home import Home
-    from rewind.sandbox import Checkpoint, Files, Sandbox, try_in_copy
+    from rewind.sandbox import Checkpoint, Files, Sandbox, TreeCopy, try_in_copy
 
 
 def __getattr__(name: str) -> object:

@@ -409,20 +409,35 @@ def _split_remote(spec: str) -> tuple[str, str] | None:
 @cli.command()
 @click.argument("source")
 @click.argument("dest")
+@click.option("-r", "--recursive", is_flag=True, help="Copy a folder (streamed as one tar).")
 @json_option
-def cp(source: str, dest: str, as_json: bool) -> None:
-    """Copy a file between this host and a machine: `cp FILE NAME:/path` or `cp NAME:/path FILE`."""
+def cp(source: str, dest: str, recursive: bool, as_json: bool) -> None:
+    """Copy a file between this host and a machine: `cp FILE NAME:/path` or `cp NAME:/path FILE`.
+
+    With -r, a folder, as `cp -r`: DEST is made if missing, else the folder goes inside it
+    (never merged into a folder that is there). Files, empty folders, links, modes and
+    mtimes are kept; the copy appears whole or not at all. --json reports files, bytes
+    and seconds.
+    """
     src_remote, dst_remote = _split_remote(source), _split_remote(dest)
     if bool(src_remote) == bool(dst_remote):
         raise InvalidArgument("exactly one of SOURCE and DEST must be NAME:/absolute/path")
+    remote = dst_remote or src_remote
+    assert remote
+    files, path = _sandbox(remote[0]).files, remote[1]
     started = time.monotonic()
-    if dst_remote:
-        _sandbox(dst_remote[0]).files.upload(source, dst_remote[1])
+    report: dict[str, Any] = {}
+    if recursive:
+        with progress(not as_json) as step:
+            copied = (files.upload_dir(source, path, progress=step) if dst_remote
+                      else files.download_dir(path, dest, progress=step))
+        report = copied.to_json()
+    elif dst_remote:
+        files.upload(source, path)
     else:
-        assert src_remote
-        _sandbox(src_remote[0]).files.download(src_remote[1], dest)
+        files.download(path, dest)
     if as_json:
-        emit_json({"source": source, "dest": dest, "seconds": round(time.monotonic() - started, 3)})
+        emit_json({"source": source, "dest": dest, "seconds": round(time.monotonic() - started, 3), **report})
 
 
 @cli.command(name="ls")

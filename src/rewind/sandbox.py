@@ -10,20 +10,25 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import posixpath
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import ExecResult, exec_deadline
 from rewind.engine.machine import Engine, Machine, MachineInfo
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.ports import LOCAL_HOST, PortForward
-from rewind.errors import CommandFailed, InvalidArgument
+from rewind.errors import AgentError, AlreadyExists, CommandFailed, InvalidArgument, RewindError
 from rewind.guard.trial import DEFAULT_TIMEOUT
 from rewind.guard.trial import try_in_copy as _try_in_copy
+from rewind.guest import tree
+from rewind.guest.protocol import CHUNK
 from rewind.home import Home
 from rewind.store.model import DEFAULT_HISTORY, is_int
 
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, HistoryEntry, Store
 
-__all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "try_in_copy"]
+__all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "TreeCopy", "try_in_copy"]
 
 
 @dataclass(frozen=True)
@@ -392,8 +397,80 @@ def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = No
                         timeout=timeout, diff=diff)
 
 
+@dataclass(frozen=True)
+class TreeCopy:
+    """What a folder copy moved (files.upload_dir, download_dir; `rewind cp -r`)."""
+
+    files: int
+    folders: int  # the copied folder too
+    links: int
+    bytes: int  # the files' contents
+    seconds: float
+
+    @classmethod
+    def of(cls, counts: dict[str, int], started: float) -> TreeCopy:
+        return cls(**counts, seconds=round(time.monotonic() - started, 3))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# What a copy's failure on this host is raised as, by its kind (see guest/tree.py): a place
+# taken, a stream the other side got wrong, the host failing, else a path here that is unfit.
+_TREE_ERRORS: dict[str, type[RewindError]] = {"exists": AlreadyExists, "bad_request": AgentError,
+                                              "os_error": RewindError}
+
+
+@contextmanager
+def _tree_errors() -> Iterator[None]:
+    try:
+        yield
+    except tree.TreeError as e:
+        raise _TREE_ERRORS.get(e.kind, InvalidArgument)(str(e)) from e
+
+
+def _reported(chunks: Iterable[bytes], counts: tree.Counts,
+              progress: Callable[[str], None] | None) -> Iterator[bytes]:
+    """`chunks`, telling `progress` once a second what the copy has moved."""
+    due = time.monotonic() + 1.0
+    for chunk in chunks:
+        yield chunk
+        if progress is not None and time.monotonic() >= due:
+            progress(f"{counts.files} files, {counts.bytes / 2**20:.1f} MiB")
+            due = time.monotonic() + 1.0
+
+
+def packed(local: str | os.PathLike[str],
+           progress: Callable[[str], None] | None = None) -> tuple[str | None, Iterator[bytes]]:
+    """A host folder's name and its tar stream, in blocks; InvalidArgument at once if there is
+    no such folder."""
+    path = os.path.abspath(local)
+    with _tree_errors():
+        tree.source(path)
+    counts = tree.Counts()
+
+    def blocks() -> Iterator[bytes]:
+        with _tree_errors():
+            yield from _reported(tree.blocks(tree.pack(path, counts), CHUNK), counts, progress)
+    return os.path.basename(path) or None, blocks()
+
+
+def unpacked(chunks: Iterable[bytes], path: str, local: str | os.PathLike[str],
+             progress: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Unpack the tar stream of the guest folder `path` to `local` by cp -r's rule (see
+    guest/tree.py target), whole or not at all. `chunks` is asked for only once `local` is
+    found fit. Files belong to the caller; setuid, setgid and sticky bits are dropped."""
+    name = posixpath.basename(posixpath.normpath(path)) or None
+    counts = tree.Counts()
+    with _tree_errors():
+        target = tree.target(os.path.abspath(local), name)
+        tree.receive(target, _reported(chunks, counts, progress), 0o777, counts)
+    return counts.as_dict()
+
+
 class Files:
-    """Files inside a machine: `sbx.files.read/write/upload/download`."""
+    """Files inside a machine: `sbx.files.read/write/upload/download`, and folders
+    (`upload_dir/download_dir`, as `cp -r`)."""
 
     def __init__(self, machine: Machine) -> None:
         self._machine = machine
@@ -426,19 +503,59 @@ class Files:
         """Copy a file out of the machine; the host file appears only once complete. At most
         `max_bytes` are taken (by default the machine's disk size, more than any file on it
         holds but a sparse one): a guest cannot fill the host's disk."""
-        if max_bytes is None:
-            max_bytes = max(self._machine.record.disk_size_mib << 20, DEFAULT_READ_MAX)
         local = Path(local)
         if local.is_dir():
             local = local / Path(path).name
         tmp = local.with_name(f".{local.name}.rewind-partial")
         try:
             with open(tmp, "wb") as sink, self._machine.agent() as agent:
-                mode = agent.read_file(path, sink, _positive("max_bytes", max_bytes))
+                mode = agent.read_file(path, sink, self._most(max_bytes))
             os.chmod(tmp, mode & 0o777)
             shutil.move(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def upload_dir(self, local: str | os.PathLike[str], path: str,
+                   progress: Callable[[str], None] | None = None) -> TreeCopy:
+        """Copy a host folder into the machine, as `cp -r` does: to `path` if nothing is there
+        (parents are made), into it as `path/NAME` if it is a folder. A place already taken is
+        refused (AlreadyExists): a copy never merges into a folder. Files, folders (empty ones
+        too) and links (kept as links) keep their modes and mtimes and belong to root; the
+        copy appears whole or not at all. `progress` hears what has moved, once a second."""
+        name, blocks = packed(local, progress)
+        return self._untar(path, name, blocks)
+
+    def download_dir(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> TreeCopy:
+        """Copy a folder out of the machine by upload_dir's rules; the host files belong to the
+        caller. At most `max_bytes` of tar stream are taken (as download's)."""
+        started = time.monotonic()
+        with self._machine.agent() as agent:
+            return TreeCopy.of(unpacked(agent.tar(path, self._most(max_bytes)), path, local, progress),
+                               started)
+
+    def upload_tar(self, source: BinaryIO, path: str, name: str | None = None) -> TreeCopy:
+        """Unpack a tar stream into a new folder: `path`, or `path/name` if `path` is a folder
+        (upload_dir's rule). Only files, folders and links; nothing may land outside it."""
+        return self._untar(path, name, iter(lambda: source.read(CHUNK), b""))
+
+    def download_tar(self, path: str, sink: BinaryIO, max_bytes: int | None = None) -> None:
+        """Write a guest folder into `sink` as a tar stream (at most `max_bytes` of it)."""
+        with self._machine.agent() as agent:
+            for chunk in agent.tar(path, self._most(max_bytes)):
+                sink.write(chunk)
+
+    def _untar(self, path: str, name: str | None, blocks: Iterator[bytes]) -> TreeCopy:
+        started = time.monotonic()
+        with self._machine.agent() as agent:
+            return TreeCopy.of(agent.untar(path, name, blocks), started)
+
+    def _most(self, max_bytes: int | None) -> int:
+        """What a download takes at most: by default the machine's disk size, more than any
+        file or folder on it holds but a sparse one (a guest cannot fill the host's disk)."""
+        if max_bytes is None:
+            return max(self._machine.record.disk_size_mib << 20, DEFAULT_READ_MAX)
+        return _positive("max_bytes", max_bytes)
 
 
 class Network:

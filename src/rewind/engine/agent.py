@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import codecs
+import select
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from rewind.engine.unixsock import connect_unix
-from rewind.errors import AgentError, AgentGone, GuestFileError, InvalidArgument
+from rewind.errors import AgentError, AgentGone, AlreadyExists, GuestFileError, InvalidArgument
 from rewind.guest.protocol import CHUNK, Decoder, encode
 from rewind.store.model import is_int
 
@@ -85,6 +86,19 @@ def _text(output: bytearray) -> str:
     text = output.decode("utf-8", "replace")
     output.clear()
     return text
+
+
+# The error a guest's error frame is raised as, by its kind.
+GUEST_ERRORS: dict[str, type[AgentError | InvalidArgument | AlreadyExists]] = {
+    "bad_request": InvalidArgument,
+    "exists": AlreadyExists,
+    **dict.fromkeys(("not_found", "is_a_directory", "not_a_file", "not_a_folder", "permission", "os_error"),
+                    GuestFileError),
+}
+
+
+def _guest_error(header: dict) -> AgentError | InvalidArgument | AlreadyExists:
+    return GUEST_ERRORS.get(str(header.get("kind")), AgentError)(str(header.get("message", "unknown error")))
 
 
 class AgentClient:
@@ -207,13 +221,7 @@ class AgentClient:
             if header.get("t") in ("pong", "hello"):
                 continue  # heartbeats, and answers to hellos resent while the agent was starting
             if header.get("t") == "error":
-                kind = header.get("kind")
-                message = header.get("message", "unknown error")
-                if kind == "bad_request":
-                    raise InvalidArgument(message)
-                if kind in ("not_found", "is_a_directory", "not_a_file", "permission", "os_error"):
-                    raise GuestFileError(message)
-                raise AgentError(message)
+                raise _guest_error(header)
             return header, payload
 
     def _awaited_pong(self) -> tuple[dict, bytes]:
@@ -317,20 +325,9 @@ class AgentClient:
         mode = header.get("mode", 0o644)
         if not is_int(mode) or not 0 <= mode <= 0o7777:
             raise AgentError(f"the guest agent sent a malformed file mode {str(mode)[:40]!r}")
-        size = 0
-        while True:
-            header, payload = self._reply()
-            if header.get("t") == "data":
-                size += len(payload)
-                if size > max_bytes:
-                    self.close()
-                    raise GuestFileError(f"{path} is larger than {max_bytes} bytes, the most this "
-                                         f"read takes (see max_bytes)")
-                sink.write(payload)
-            elif header.get("t") == "end":
-                return mode
-            else:
-                raise AgentError(f"unexpected frame during read: {header.get('t')!r}")
+        for data in self._data(path, max_bytes):
+            sink.write(data)
+        return mode
 
     def write_file(self, path: str, source: BinaryIO, mode: int | None = None) -> None:
         """Write `source` to a guest file, atomically (it appears whole or not at all)."""
@@ -339,10 +336,84 @@ class AgentClient:
             request["mode"] = mode
         self._request(request)
         self._reply_of("ready")
-        while block := source.read(CHUNK):
+        self._stream(iter(lambda: source.read(CHUNK), b""))
+        self._reply_of("ok")
+
+    def tar(self, path: str, max_bytes: int) -> Iterator[bytes]:
+        """A guest folder as a tar stream (see guest/tree.py), in pieces; the request is sent
+        when the first is asked for. GuestFileError past `max_bytes`, as read_file."""
+        self._request({"t": "tar", "path": path})
+        self._reply_of("tree")
+        yield from self._data(f"{path} as a tar stream", max_bytes)
+
+    def untar(self, path: str, name: str | None, blocks: Iterable[bytes]) -> dict[str, int]:
+        """Unpack the tar stream `blocks` into a new guest folder: `path`, or `path/name` if
+        `path` is a folder (see guest/tree.py target). What the guest wrote: files, folders,
+        links, bytes."""
+        self._request({"t": "untar", "path": path, "name": name})
+        self._reply_of("ready")
+        self._stream(blocks)
+        header, _ = self._reply_of("ok")
+        counts = {key: header.get(key) for key in ("files", "folders", "links", "bytes")}
+        if not all(is_int(n) and n >= 0 for n in counts.values()):
+            raise AgentError("the guest agent sent malformed counts for an untar")
+        return counts
+
+    def _data(self, what: str, max_bytes: int) -> Iterator[bytes]:
+        """The data frames of this request's answer, up to its `end`. Past `max_bytes` the
+        session is closed (which ends the guest's sending) and GuestFileError raised."""
+        size = 0
+        while True:
+            header, payload = self._reply()
+            if header.get("t") == "end":
+                return
+            if header.get("t") != "data":
+                raise AgentError(f"unexpected frame during a read: {header.get('t')!r}")
+            size += len(payload)
+            if size > max_bytes:
+                self.close()
+                raise GuestFileError(f"{what} is larger than {max_bytes} bytes, the most this read takes "
+                                     "(see max_bytes)")
+            yield payload
+
+    def _stream(self, blocks: Iterable[bytes]) -> None:
+        """Send `blocks` as data frames, then `end`. If the guest answers first (it failed part
+        way: a full disk), the rest is not sent and its error is raised; if `blocks` fails (a
+        host file unreadable), the guest is told the data ended before that is raised."""
+        source = iter(blocks)
+        while True:
+            try:
+                block = next(source, None)
+            except Exception:
+                self._cut_short()
+                raise
+            if block is None:
+                break
+            if (early := self._early_answer()) is not None:
+                self._cut_short()
+                if early.get("t") == "error":
+                    raise _guest_error(early)
+                raise AgentError(f"the guest agent answered {early.get('t')!r} before the data's end")
             self._send({"t": "data"}, block)
         self._send({"t": "end"})
-        self._reply_of("ok")
+
+    def _cut_short(self) -> None:
+        """End the data of a request given up on, and wait until the guest has read all of it
+        (a ping's answer comes after): QEMU drops what the guest has not read when the host
+        hangs up, and a frame cut in two there left that port's agent deaf to the next
+        client's hello (seen after a full disk stopped a folder upload)."""
+        self._send({"t": "end"})
+        self.ping()
+
+    def _early_answer(self) -> dict | None:
+        """A frame the agent has sent, if any, while the host sends it data (late answers to
+        hellos and heartbeats aside)."""
+        assert self._sock is not None
+        while (frame := self._decoder.next()) is not None or select.select([self._sock], [], [], 0)[0]:
+            header, _ = frame or self._recv(until=time.monotonic() + HEARTBEAT_AFTER)
+            if header is not None and header.get("t") not in ("hello", "pong"):
+                return header
+        return None
 
     def git(self, action: str, folder: str) -> dict:
         """The git tier in the guest: `save` or `restore` a project folder (see guest/gittier.py)."""

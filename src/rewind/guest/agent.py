@@ -25,9 +25,11 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import tree  # noqa: E402
 from protocol import CHUNK, Decoder, encode  # noqa: E402
 
 try:  # loaded now, once, so that no request pays for it (images without dulwich lack the git tier)
@@ -46,6 +48,9 @@ DEFAULT_ENV = {
 DEFAULT_OUTPUT_CAP = 16 << 20
 TIMEOUT_EXIT_CODE = 124  # as GNU timeout reports it
 HOST_GONE_AFTER = 2.0  # seconds without a host before output is abandoned
+# What a request's reader takes in ahead of what it has handled (two whole frames at least):
+# reading all that was there held 400 MB of a folder upload, and the OOM killer took the agent.
+READ_AHEAD = 4 << 20
 
 
 class Reset(Exception):
@@ -103,16 +108,19 @@ class Port:
         self.host_gone = False
         self.session: str | None = None  # the nonce of the client being served
 
-    def pump(self) -> None:
-        """Read all that is available into the decoder."""
+    def pump(self, limit: int | None = None) -> bool:
+        """Read what is available into the decoder, while it holds less than `limit` bytes if
+        given; True if it stopped there (more may be waiting)."""
         while True:
+            if limit is not None and self.decoder.buffered() >= limit:
+                return True
             try:
                 data = os.read(self.fd, 1 << 20)
             except BlockingIOError:
-                return
+                return False
             if not data:
                 self.host_gone = True  # for now: wait for an edge before reading again
-                return
+                return False
             self.decoder.feed(data)
 
     def take(self, in_request: bool) -> tuple[dict, bytes] | None:
@@ -135,12 +143,21 @@ class Port:
             if self.host_gone:
                 self.edges.poll(5.0)  # bounded, in case an edge is missed
                 self.host_gone = False
-            self.pump()
+            more = self.pump(READ_AHEAD)
             frame = self.take(in_request)
             if frame:
                 return frame
-            if not self.host_gone:
+            if not self.host_gone and not more:
                 self.edges.poll(1.0)
+
+    def heed(self) -> None:
+        """Between the frames of a long answer: a new client's hello abandons it (Reset), and
+        heartbeats are answered. Without it, a client that gave up on a big folder's stream
+        left the next one waiting, unanswered, for the rest of that stream."""
+        self.pump()
+        while (frame := self.take(in_request=True)) is not None:
+            if frame[0].get("t") == "ping":
+                self.send(pong(frame[0], busy=True))
 
     def send(self, header: dict, payload: bytes = b"") -> None:
         """Write a frame. If no host is connected for HOST_GONE_AFTER seconds, the client
@@ -393,10 +410,34 @@ def handle_read(port: Port, req: dict, _payload: bytes) -> None:
             raise RequestError("not_a_file", f"{path}: not a regular file")
         port.send({"t": "file", "size": st.st_size, "mode": st.st_mode & 0o7777})
         while data := os.read(fd, CHUNK):
+            port.heed()
             port.send({"t": "data"}, data)
         port.send({"t": "end"})
     finally:
         os.close(fd)
+
+
+def received(port: Port) -> Iterator[bytes]:
+    """The data the host sends for this request, up to its `end` (heartbeats are answered)."""
+    while True:
+        header, payload = port.recv()
+        kind = header.get("t")
+        if kind == "data":
+            yield payload
+        elif kind == "end":
+            return
+        elif kind == "ping":
+            port.send(pong(header, busy=True))
+        else:
+            raise RequestError("bad_request", f"unexpected frame while receiving data: {kind}")
+
+
+def abandon(port: Port, error: RequestError, data: Iterator[bytes]) -> None:
+    """Report a request that failed while the host was sending its data (so it stops early),
+    then take in and drop the rest of that data."""
+    port.send(error_frame(error.kind, str(error)))
+    for _ in data:
+        pass
 
 
 def handle_write(port: Port, req: dict, _payload: bytes) -> None:
@@ -411,35 +452,69 @@ def handle_write(port: Port, req: dict, _payload: bytes) -> None:
     except OSError as e:
         raise os_error(e, path) from None
     port.send({"t": "ready"})
-    done = False
+    data = received(port)
     try:
-        while True:
-            header, payload = port.recv()
-            if header.get("t") == "data":
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view) :]
-            elif header.get("t") == "end":
-                break
-            elif header.get("t") == "ping":
-                port.send(pong(header, busy=True))
-            else:
-                raise RequestError("bad_request", f"unexpected frame during write: {header.get('t')}")
-        if "mode" in req:
-            os.fchmod(fd, req["mode"])
-        os.close(fd)
-        fd = -1
+        with open(fd, "wb") as f:  # closes fd however this ends
+            for payload in data:
+                f.write(payload)
+            if "mode" in req:
+                os.fchmod(fd, req["mode"])
         os.replace(tmp, path)
-        done = True
-    except OSError as e:
-        raise os_error(e, path) from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if not done:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if not isinstance(e, OSError):
+            raise
+        abandon(port, os_error(e, path), data)
+        return
     port.send({"t": "ok"})
+
+
+# ---- folders (cp -r) ------------------------------------------------------
+
+
+def tree_error(e: tree.TreeError) -> RequestError:
+    return RequestError(e.kind, str(e))
+
+
+def handle_tar(port: Port, req: dict, _payload: bytes) -> None:
+    """A folder out as a tar stream (see tree.py): `tree`, data frames, `end`."""
+    path = req.get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise RequestError("bad_request", f"path must be absolute: {path!r}")
+    try:
+        root = tree.source(path)
+        port.send({"t": "tree"})
+        for block in tree.blocks(tree.pack(root, tree.Counts()), CHUNK):
+            port.heed()
+            port.send({"t": "data"}, block)
+    except tree.TreeError as e:
+        raise tree_error(e) from None
+    except OSError as e:
+        raise os_error(e, e.filename or path) from None
+    port.send({"t": "end"})
+
+
+def handle_untar(port: Port, req: dict, _payload: bytes) -> None:
+    """A tar stream into a new folder, whole or not at all (see tree.py): `ready`, the host's
+    data and `end`, then `ok` with what was written. `name` is the copied folder's, for a
+    `path` that is a folder already (cp -r's rule)."""
+    dest, name = req.get("path"), req.get("name")
+    if not isinstance(dest, str) or not dest.startswith("/") or not isinstance(name, str | None):
+        raise RequestError("bad_request", f"untar needs an absolute path and a name: {dest!r}, {name!r}")
+    try:
+        target = tree.target(dest, name)
+    except tree.TreeError as e:
+        raise tree_error(e) from None
+    port.send({"t": "ready"})
+    data = received(port)
+    counts = tree.Counts()
+    try:
+        tree.receive(target, data, 0o7777, counts)  # in the guest, root keeps every mode bit
+    except tree.TreeError as e:
+        abandon(port, tree_error(e), data)
+        return
+    port.send({"t": "ok", **counts.as_dict()})
 
 
 # ---- identity, clock, health -------------------------------------------------
@@ -594,6 +669,8 @@ HANDLERS = {
     "exec": handle_exec,
     "read": handle_read,
     "write": handle_write,
+    "tar": handle_tar,
+    "untar": handle_untar,
     "identity": handle_identity,
     "ping": handle_ping,
     "git": handle_git,

@@ -37,6 +37,10 @@ class Decoder:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    def buffered(self) -> int:
+        """The bytes fed and not yet taken out as frames."""
+        return len(self._buf)
+
     def next(self) -> tuple[dict, bytes] | None:
         while True:
             if len(self._buf) < PREFIX_SIZE:

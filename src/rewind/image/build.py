@@ -51,6 +51,7 @@ _GUEST = _HERE.parent / "guest"
 RUNTIME_FILES = {
     _GUEST / "agent.py": "agent.py",
     _GUEST / "protocol.py": "protocol.py",
+    _GUEST / "tree.py": "tree.py",
     _GUEST / "gittier.py": "gittier.py",
     _GUEST / "sysinit.sh": "sysinit.sh",
     _GUEST / "inittab": "inittab",

@@ -56,6 +56,8 @@ BINARY_BODY = {"requestBody": {"required": True,
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 KEPT_ANSWERS = 10_000  # Idempotency-Key answers kept, oldest forgotten first
+MaxBytes = Annotated[int | None, Query(gt=0, description="Refuse a download larger than this "
+                                                         "(default: the machine's disk size)")]
 
 
 # ---- request bodies ----
@@ -383,10 +385,7 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
 
     @app.get("/machines/{name}/files", tags=["files"], response_class=FileResponse,
              responses={200: {"content": {OCTETS: {}}}})
-    def download(name: str, path: str,
-                 max_bytes: Annotated[int | None, Query(gt=0, description="Refuse a file larger than this "
-                                                        "(default: the machine's disk size)")] = None
-                 ) -> FileResponse:
+    def download(name: str, path: str, max_bytes: MaxBytes = None) -> FileResponse:
         """A guest file, streamed from a copy on the host; X-Rewind-Mode: its permission bits (octal)."""
         out, _ = _produced(service, lambda out: service.download(name, path, out, max_bytes))
         return _sent(out, headers={"X-Rewind-Mode": f"{out.stat().st_mode & 0o7777:o}"})
@@ -401,6 +400,24 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
             os.chmod(src, mode & 0o7777)
             await asyncio.to_thread(service.upload, name, src, path)
         return Response(status_code=204)
+
+    @app.get("/machines/{name}/tree", tags=["files"], response_class=FileResponse,
+             responses={200: {"content": {OCTETS: {}}}})
+    def download_tree(name: str, path: str, max_bytes: MaxBytes = None) -> FileResponse:
+        """A guest folder as a tar stream (files, folders, links; modes and mtimes), from a copy on
+        the host. Unpack it as `cp -r` would, or with `tar x`."""
+        out, _ = _produced(service, lambda out: service.download_tar(name, path, out, max_bytes))
+        return _sent(out)
+
+    @app.put("/machines/{name}/tree", tags=["files"], openapi_extra=BINARY_BODY)
+    async def upload_tree(request: Request, name: str, path: str,
+                          folder: Annotated[str | None, Query(description="The copied folder's name")] = None
+                          ) -> dict:
+        """Unpack the body, a tar stream (streamed to the host first), into a new guest folder: `path`
+        if nothing is there, `path/folder` if `path` is a folder (cp -r's rule); a place taken is a
+        409. Whole or not at all. What was written: files, folders, links, bytes, seconds."""
+        async with _received(request, service) as src:
+            return await asyncio.to_thread(service.upload_tar, name, src, path, folder)
 
     @app.get("/machines/{name}/network", tags=["network"])
     def network(name: str) -> dict:

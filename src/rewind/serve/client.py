@@ -8,7 +8,10 @@ written for the local SDK runs unchanged against a daemon on another host.
 from __future__ import annotations
 
 import base64
+import contextlib
+import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -22,14 +25,16 @@ from rewind.errors import InvalidArgument, RewindError
 from rewind.guard.classify import Decision
 from rewind.guard.guarded import GuardedResult
 from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
+from rewind.guest.protocol import CHUNK
 from rewind.home import Home
-from rewind.sandbox import DEFAULT_READ_MAX, Checkpoint, Command, checked
+from rewind.sandbox import DEFAULT_READ_MAX, Checkpoint, Command, TreeCopy, checked, packed, unpacked
 from rewind.serve import wire
 
 if TYPE_CHECKING:
     from rewind.engine.diff import Diff
 
 DEFAULT_URL = "http://127.0.0.1:7070"
+RAW_BODY = {"Content-Type": "application/octet-stream"}
 
 
 def _home_token(url: str) -> str | None:
@@ -79,16 +84,22 @@ class Remote:
         return response.content if response.headers.get("content-type", "").startswith(
             "application/octet-stream") else response.json()
 
-    def fetch(self, path: str, params: dict[str, Any], sink: BinaryIO) -> str | None:
-        """Stream a download into `sink`; its X-Rewind-Mode header."""
+    @contextlib.contextmanager
+    def streamed(self, path: str, params: dict[str, Any]) -> Iterator[httpx2.Response]:
+        """A download's response, its body to be read as it comes."""
         try:
             with self._http.stream("GET", path, params=params) as response:
                 _raise_for_problem(response)
-                for chunk in response.iter_bytes():
-                    sink.write(chunk)
-                return response.headers.get("X-Rewind-Mode")
+                yield response
         except httpx2.TransportError as e:
             raise RewindError(f"cannot reach the rewind server at {self.url}: {e}") from e
+
+    def fetch(self, path: str, params: dict[str, Any], sink: BinaryIO) -> str | None:
+        """Stream a download into `sink`; its X-Rewind-Mode header."""
+        with self.streamed(path, params) as response:
+            for chunk in response.iter_bytes():
+                sink.write(chunk)
+            return response.headers.get("X-Rewind-Mode")
 
     def events(self, path: str, body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         """(event, data) pairs of a server-sent event stream; an `error` event is raised."""
@@ -294,8 +305,7 @@ class RemoteFiles:
     def write(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         raw = data.encode() if isinstance(data, str) else data
         params: dict[str, Any] = {"path": path} | ({"mode": mode} if mode is not None else {})
-        self._sbx._call("PUT", "/files", params=params, content=raw,
-                        headers={"Content-Type": "application/octet-stream"})
+        self._sbx._call("PUT", "/files", params=params, content=raw, headers=RAW_BODY)
 
     def upload(self, local: str | os.PathLike[str], path: str) -> None:
         """As Files.upload; the file is streamed, not read into memory."""
@@ -304,7 +314,7 @@ class RemoteFiles:
             raise InvalidArgument(f"not a file on this host: {local}")
         with open(local, "rb") as body:
             self._sbx._call("PUT", "/files", params={"path": path, "mode": local.stat().st_mode & 0o7777},
-                            content=body, headers={"Content-Type": "application/octet-stream"})
+                            content=body, headers=RAW_BODY)
 
     def download(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         """As Files.download: streamed, and the host file appears only once complete."""
@@ -320,6 +330,39 @@ class RemoteFiles:
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def upload_dir(self, local: str | os.PathLike[str], path: str,
+                   progress: Callable[[str], None] | None = None) -> TreeCopy:
+        """As Files.upload_dir; the folder is streamed as a tar, packed as it is sent."""
+        name, blocks = packed(local, progress)
+        return self._put_tree(path, name, blocks)
+
+    def download_dir(self, path: str, local: str | os.PathLike[str], max_bytes: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> TreeCopy:
+        """As Files.download_dir; the tar stream is unpacked as it comes."""
+        started = time.monotonic()
+        return TreeCopy.of(unpacked(self._tar(path, max_bytes), path, local, progress), started)
+
+    def upload_tar(self, source: BinaryIO, path: str, name: str | None = None) -> TreeCopy:
+        """As Files.upload_tar."""
+        return self._put_tree(path, name, iter(lambda: source.read(CHUNK), b""))
+
+    def download_tar(self, path: str, sink: BinaryIO, max_bytes: int | None = None) -> None:
+        """As Files.download_tar."""
+        for chunk in self._tar(path, max_bytes):
+            sink.write(chunk)
+
+    def _put_tree(self, path: str, name: str | None, body: Iterator[bytes]) -> TreeCopy:
+        started = time.monotonic()
+        params = {"path": path} | ({"folder": name} if name else {})
+        answer = self._sbx._call("PUT", "/tree", params=params, content=body, headers=RAW_BODY)
+        return dataclasses.replace(TreeCopy(**answer), seconds=round(time.monotonic() - started, 3))
+
+    def _tar(self, path: str, max_bytes: int | None) -> Iterator[bytes]:
+        """The folder's tar stream as it comes; the request is sent when the first piece is asked for."""
+        params = {"path": path} | ({"max_bytes": max_bytes} if max_bytes is not None else {})
+        with self._sbx._remote.streamed(f"/machines/{self._sbx.name}/tree", params) as response:
+            yield from response.iter_bytes()
 
 
 class RemoteNetwork:

@@ -207,6 +207,18 @@ def build_server(service: Service) -> MCPServer:
         service.write_file(name, path, data, mode)
         return {"path": path, "size": len(data)}
 
+    @tool(WRITE)
+    def upload_dir(name: str, local: str, path: str) -> dict[str, Any]:
+        """Copy the folder `local`, on the server's host, into the machine as `cp -r` does: to
+        `path` if nothing is there, into it if it is a folder (never merged into an existing
+        one). Files, folders and links keep their modes and mtimes. What was copied."""
+        return service.upload_dir(name, local, path)
+
+    @tool(WRITE)
+    def download_dir(name: str, path: str, local: str) -> dict[str, Any]:
+        """Copy the machine's folder `path` to `local` on the server's host, by upload_dir's rules."""
+        return service.download_dir(name, path, local)
+
     @tool(DESTROY)
     def delete(name: str) -> dict[str, Any]:
         """Stop the machine and remove it; its checkpoints stay in the store."""

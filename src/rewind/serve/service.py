@@ -148,6 +148,24 @@ class Service:
         """A host file written into the guest, with its permission bits."""
         self.sandbox(name).files.upload(src, path)
 
+    def upload_dir(self, name: str, local: str, path: str) -> dict[str, Any]:
+        """A folder on the server's host copied into the guest, as `cp -r` (see Files.upload_dir)."""
+        return self.sandbox(name).files.upload_dir(_host_path(local), path).to_json()
+
+    def download_dir(self, name: str, path: str, local: str) -> dict[str, Any]:
+        """A guest folder copied to the server's host, as `cp -r` (see Files.download_dir)."""
+        return self.sandbox(name).files.download_dir(path, _host_path(local)).to_json()
+
+    def upload_tar(self, name: str, src: Path, path: str, folder: str | None = None) -> dict[str, Any]:
+        """The tar stream in `src` unpacked into a new guest folder (see Files.upload_tar)."""
+        with open(src, "rb") as source:
+            return self.sandbox(name).files.upload_tar(source, path, folder).to_json()
+
+    def download_tar(self, name: str, path: str, out: Path, max_bytes: int | None = None) -> None:
+        """A guest folder written to `out` as a tar stream."""
+        with open(out, "wb") as sink:
+            self.sandbox(name).files.download_tar(path, sink, max_bytes)
+
     def network(self, name: str) -> dict[str, Any]:
         return self.sandbox(name).network.get()
 
@@ -214,3 +232,10 @@ class Service:
     def import_(self, src: Path) -> dict[str, Any]:
         manifest = import_checkpoint(self.store(), src)
         return {"id": manifest.id, "name": manifest.name}
+
+
+def _host_path(path: str) -> str:
+    """A path on the server's host, given by a client that cannot know the server's working folder."""
+    if not os.path.isabs(path):
+        raise InvalidArgument(f"a path on the server's host must be absolute: {path!r}")
+    return path
