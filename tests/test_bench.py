@@ -23,7 +23,8 @@ EXPECTED = {
     "http_exec_added_ms", "http_checkpoint_added_ms", "http_restore_added_ms", "mcp_exec_added_ms",
     "mcp_checkpoint_added_ms", "mcp_restore_added_ms", "cli_help_s", "cli_exec_added_s",
     "checkpoint_flush_ms", "checkpoint_call_after_write_s", "diff_first_s", "diff_points_1mib_s",
-    "diff_live_1mib_s",
+    "diff_live_1mib_s", "own_image_build_s", "own_image_first_start_s", "own_image_start_s",
+    "own_image_store_mib",
 }
 
 
@@ -43,7 +44,8 @@ def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
         assert m["samples"] and all(isinstance(s, int | float) for s in m["samples"]), m
         assert m["median"] is not None
         assert m["met"] in (True, False, None)
-    assert set(report["peers"]) == {"plain QEMU", "gVisor"}
+    assert set(report["peers"]) == {"plain QEMU", "gVisor", "buildah"}
+    assert metrics["own_image_build_s"]["peers"]["buildah"]  # its import of the same archive
     assert all(isinstance(status, str) and status for status in report["peers"].values())
     assert not [k for k in metrics if k.startswith("s3_")]  # the bucket is not measured quickly
     assert [p["touched_mib"] for p in report["curve"]["rewind"]] == [64, 128]

@@ -387,3 +387,9 @@ def test_every_answer_carries_a_request_id(url: str, http: httpx2.Client) -> Non
     assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 16
     assert http.get("/health", headers={"X-Request-Id": "bad id with spaces"}).headers["x-request-id"] != \
         "bad id with spaces"
+
+
+def test_images_are_listed(http: httpx2.Client) -> None:
+    rows = http.get("/images").json()
+    default = [row for row in rows if row["default"]]
+    assert len(default) == 1 and default[0]["size_mib"] > 0 and default[0]["kernel"]

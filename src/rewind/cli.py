@@ -34,7 +34,6 @@ from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
     from rewind.engine.machine import Engine
-    from rewind.image import Image
     from rewind.sandbox import Checkpoint, Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, Store
@@ -941,7 +940,7 @@ def _build_custom(source: str | None, dockerfile: str | None, context: str | Non
         else:
             assert source is not None
             built = build_from_image(engine.home.images, name, source, report)
-    data = {**_image_row(built), "seconds": round(time.monotonic() - started, 1)}
+    data = {**built.to_json(), "seconds": round(time.monotonic() - started, 1)}
     if as_json:
         emit_json(data)
     else:
@@ -980,7 +979,7 @@ def image_ls(as_json: bool) -> None:
     """List images; the default one is the built recipe's."""
     from rewind.image import list_images
 
-    rows = [_image_row(i) for i in list_images(_engine().home.images)]
+    rows = [i.to_json() for i in list_images(_engine().home.images)]
     if as_json:
         emit_json(rows)
         return
@@ -1013,14 +1012,6 @@ def _image_users(engine: Engine, name: str) -> list[str]:
     store = _store(None)
     users += [f"checkpoint {c.id[:12]}" for c in store.list() if c.meta.get("image_id") == name]
     return users
-
-
-def _image_row(i: Image) -> dict:
-    from rewind.image import recipe_id
-
-    return {"id": i.id, "default": i.id == recipe_id(), "kernel": i.kernel_version, "created": i.created,
-            "size_mib": i.size_bytes() >> 20, "disk_size_mib": i.disk_size_mib,
-            "digest": i.source.get("digest"), "source": i.source or None, "path": str(i.path)}
 
 
 @cli.command()

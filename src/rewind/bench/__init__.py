@@ -79,7 +79,7 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
             else:
                 run_peers(big, report, touched, rounds, progress)
             big.delete()
-            world.own_image(home, report, progress)
+            world.own_image(home, report, quick, progress)
             if quick:  # a minute of uploads; tests/test_s3_store.py covers what they exercise
                 progress("store in a bucket: not run with --quick")
             else:

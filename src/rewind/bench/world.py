@@ -17,11 +17,13 @@ from rewind.image.dockerfile import Builder
 from rewind.sandbox import Sandbox
 
 IMAGE_MIB = 300
-FILE_KIB = 300  # 1,024 files of random bytes: nothing for zstd to shrink
+QUICK_IMAGE_MIB = 30  # --quick, as the test suite runs it
+FILE_KIB = 300  # files of random bytes: nothing for zstd to shrink
 
 
-def own_image(home: Home, report: Report, progress: Progress) -> None:
+def own_image(home: Home, report: Report, quick: bool, progress: Progress) -> None:
     """Skipped, with a line, where Buildah or busybox is missing."""
+    mib = QUICK_IMAGE_MIB if quick else IMAGE_MIB
     if not Path("/bin/busybox").is_file():
         progress("own image: skipped (no /bin/busybox to make an image of)")
         return
@@ -29,8 +31,8 @@ def own_image(home: Home, report: Report, progress: Progress) -> None:
     builder = Builder(root=work / "builder", runroot=Path("/run") / f"rewind-bench-{os.getpid()}")
     archive = work / "image.tar"
     try:
-        progress(f"own image: making a {IMAGE_MIB} MiB OCI archive with Buildah (not measured)")
-        _make_archive(builder, work / "root", archive)
+        progress(f"own image: making a {mib} MiB OCI archive with Buildah (not measured)")
+        _make_archive(builder, work / "root", archive, mib)
         peer = timed(lambda: builder.import_image(f"oci-archive:{archive}", "bench-pulled"))
         progress("own image: build, first start, next start, store")
         build = timed(lambda: build_from_image(home.images, "bench-own", f"oci-archive:{archive}"))
@@ -41,7 +43,7 @@ def own_image(home: Home, report: Report, progress: Progress) -> None:
         before = du_mib(home.store)
         Sandbox.get("own-1", home=home).checkpoint(wait=True)
         extra = du_mib(home.store) - before
-        built = report.add("own_image_build_s", f"image from a {IMAGE_MIB} MiB OCI archive", "s", [build])
+        built = report.add("own_image_build_s", f"image from a {mib} MiB OCI archive", "s", [build])
         built.peers["buildah"] = [peer]  # `buildah pull` of the same archive: a container engine's import
         report.peers.setdefault("buildah", "ok")
         report.add("own_image_first_start_s", "its first machine until its first exec (boots it once)", "s",
@@ -62,13 +64,13 @@ def own_image(home: Home, report: Report, progress: Progress) -> None:
             builder.remove_all()
 
 
-def _make_archive(builder: Builder, root: Path, out: Path) -> None:
+def _make_archive(builder: Builder, root: Path, out: Path, mib: int) -> None:
     (root / "bin").mkdir(parents=True)
     subprocess.run(["cp", "/bin/busybox", str(root / "bin/busybox")], check=True)
     (root / "bin/sh").symlink_to("busybox")
     data = root / "data"
     data.mkdir()
-    for i in range(IMAGE_MIB * 1024 // FILE_KIB):
+    for i in range(mib * 1024 // FILE_KIB):
         (data / f"{i:04d}.bin").write_bytes(os.urandom(FILE_KIB * 1024))
     builder.import_root(root, "bench-own")
     builder.export("bench-own", out)

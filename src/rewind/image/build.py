@@ -113,6 +113,13 @@ class Image:
         path = self.path / RUNTIME_FILE
         return path if path.is_file() else None
 
+    def to_json(self) -> dict:
+        """As `rewind image ls --json`, GET /images and the MCP tool show it."""
+        return {"id": self.id, "default": self.id == recipe_id(), "kernel": self.kernel_version,
+                "created": self.created, "size_mib": self.size_bytes() >> 20,
+                "disk_size_mib": self.disk_size_mib, "digest": self.source.get("digest"),
+                "source": self.source or None, "path": str(self.path)}
+
     def size_bytes(self) -> int:
         """What its root disk takes on the host (its blocks: the file is sparse). The kernel,
         initramfs and runtime disk are shared with the default image."""

@@ -316,6 +316,12 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
             return _progress_stream(lambda progress: service.create(**args, progress=progress))
         return kept.run(idempotency_key, "create", body, 201, lambda: service.create(**args))
 
+    @app.get("/images", tags=["machines"])
+    def images() -> list[dict]:
+        """The images machines can be made of (`image` in POST /machines): id, default, size,
+        source and its digest. Built with `rewind image build` on the server's host."""
+        return service.images()
+
     @app.get("/machines/{name}", tags=["machines"])
     def get_machine(name: str) -> dict:
         return service.info(name)

@@ -95,6 +95,11 @@ def build_server(service: Service) -> MCPServer:
             image=image, host_trust=host_trust, progress=progress))
 
     @tool(READ)
+    def list_images() -> dict[str, Any]:
+        """The images `create` can make machines of (its `image`): id, default, size, source."""
+        return {"images": service.images()}
+
+    @tool(READ)
     def list_machines(labels: dict[str, str] | None = None) -> dict[str, Any]:
         """The machines on this host (optionally only those with all these labels)."""
         return {"machines": service.list(labels)}

@@ -88,6 +88,11 @@ class Service:
     def delete(self, name: str) -> None:
         self.sandbox(name).delete()
 
+    def images(self) -> list[dict[str, Any]]:
+        from rewind.image import list_images
+
+        return [i.to_json() for i in list_images(self.home.images)]
+
     # ---- commands ----
 
     @measured("exec")
