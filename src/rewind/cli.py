@@ -50,6 +50,17 @@ def parse_mib(text: str) -> int:
     return value * 1024 if (m.group(2) or "M").upper().startswith("G") else value
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '30m', '2h', '1d' -> seconds."""
+    m = _DURATION.fullmatch(text.strip())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration (examples: 90s, 30m, 2h, 1d)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2).lower()]
+
+
 def parse_pairs(pairs: tuple[str, ...], what: str) -> dict[str, str]:
     out = {}
     for pair in pairs:
@@ -139,10 +150,13 @@ def cli() -> None:
 @click.option("--host-trust/--no-host-trust", default=None,
               help="A new machine takes this host's CA certificates and proxy settings "
                    "[default: $REWIND_HOST_TRUST, off].")
+@click.option("--ttl", default=None, help="How long a new machine may live (30m, 2h); see `rewind ttl`.")
+@click.option("--on-expiry", type=click.Choice(["stop", "checkpoint", "delete"]), default="stop",
+              show_default=True, help="What its time's end does to it.")
 @json_option
 def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str, ...],
           image_name: str | None, internet: bool, allow: tuple[str, ...], deny: tuple[str, ...],
-          host_trust: bool | None, as_json: bool) -> None:
+          host_trust: bool | None, ttl: str | None, on_expiry: str, as_json: bool) -> None:
     """Start machine NAME: a new one, or a stopped one again."""
     from rewind.sandbox import Sandbox
 
@@ -158,7 +172,8 @@ def start(name: str, memory: str, cpus: int, disk: str | None, labels: tuple[str
                                disk=parse_mib(disk) if disk else 0, image=image_name,
                                labels=parse_pairs(labels, "--label"), progress=report,
                                network={"internet": internet, "allow": list(allow), "deny": list(deny)},
-                               host_trust=host_trust)
+                               host_trust=host_trust, ttl=parse_duration(ttl) if ttl else None,
+                               on_expiry=on_expiry)
     info = sbx.info()
     if as_json:
         emit_json(dataclasses.asdict(info))
@@ -329,6 +344,53 @@ def network(name: str, off: bool, internet: bool | None, allow: tuple[str, ...],
 
 @cli.command()
 @click.argument("name")
+@click.argument("duration", required=False)
+@click.option("--on-expiry", type=click.Choice(["stop", "checkpoint", "delete"]), default=None,
+              help="What its time's end does to it [default: as set before, else stop].")
+@click.option("--clear", is_flag=True, help="No time to live: it runs until stopped.")
+@json_option
+def ttl(name: str, duration: str | None, on_expiry: str | None, clear: bool, as_json: bool) -> None:
+    """Show machine NAME's time to live, set or extend it to DURATION from now (30m, 2h), or
+    --clear it. Once it ends, `rewind serve` (watching this home) or `rewind expire` stops the
+    machine, checkpoints and stops it, or deletes it."""
+    sbx = _sandbox(name)
+    if clear and duration:
+        raise InvalidArgument("give a DURATION or --clear, not both")
+    info = sbx.set_ttl(None if clear else parse_duration(duration), on_expiry) if clear or duration \
+        else sbx.info()
+    if as_json:
+        emit_json({"name": info.name, "expires": info.expires, "on_expiry": info.on_expiry})
+    elif info.expires is None:
+        click.echo(f"{name} has no time to live")
+    else:
+        at = time.strftime("%H:%M:%S", time.localtime(info.expires))
+        click.echo(f"{name}: {info.on_expiry} in {_left(max(0, info.expires - time.time()))} (at {at})")
+
+
+def _left(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min" if seconds >= 60 \
+        else f"{seconds:.0f} s"
+
+
+@cli.command()
+@store_option
+@json_option
+def expire(store_dir: str | None, as_json: bool) -> None:
+    """Do to each machine whose time to live has ended what it asked for (stop, checkpoint,
+    delete): once, for cron or a timer; `rewind serve` does it every few seconds by itself."""
+    _local_only("expire")
+    from rewind.home import Home
+    from rewind.serve.expiry import expire_due
+
+    done = expire_due(Home.from_env(), store_dir)
+    if as_json:
+        emit_json([dataclasses.asdict(d) for d in done])
+    for d in [] if as_json else done:
+        click.echo(f"{d.machine}: {d.action}{f' (checkpoint {d.checkpoint[:12]})' if d.checkpoint else ''}")
+
+
+@cli.command()
+@click.argument("name")
 @click.argument("guest_port", required=False, type=click.IntRange(1, 65535))
 @click.option("--host-port", type=click.IntRange(1, 65535), default=None,
               help="The port on this host [default: a free one].")
@@ -454,13 +516,14 @@ def ls(labels: tuple[str, ...], as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("NAME", "STATUS", "MEMORY", "CPUS", "PID", "LABELS"):
+    for column in ("NAME", "STATUS", "MEMORY", "CPUS", "PID", "TTL", "LABELS"):
         table.add_column(column)
     for i in infos:
         style = {"running": "green", "dead": "red"}.get(i.status, "")
         labels = escape(",".join(f"{k}={v}" for k, v in i.labels.items()))
+        ttl = "-" if i.expires is None else f"{_left(max(0, i.expires - time.time()))} {i.on_expiry}"
         table.add_row(i.name, f"[{style}]{i.status}[/]" if style else i.status, f"{i.memory_mib}M",
-                      str(i.cpus), str(i.pid or "-"), labels)
+                      str(i.cpus), str(i.pid or "-"), ttl, labels)
     Console().print(table)
 
 
@@ -1025,9 +1088,17 @@ def _image_users(engine: Engine, name: str) -> list[str]:
               help="Also answer requests whose Host header names NAME; repeatable.")
 @click.option("--allow-origin", multiple=True, metavar="ORIGIN",
               help="Let web pages from ORIGIN (such as https://app.example) call the API (CORS); repeatable.")
+@click.option("--max-machines", type=click.IntRange(min=1), default=None,
+              help="Machines it runs at most [default: 4 per core].")
+@click.option("--max-memory", default=None,
+              help="Guest memory it gives at most, such as 16G [default: 3/4 of RAM].")
+@click.option("--default-ttl", default=None, help="Time to live of machines made without one (30m, 2h).")
+@click.option("--on-expiry", type=click.Choice(["stop", "checkpoint", "delete"]), default="stop",
+              show_default=True, help="What the end of a default time to live does.")
 @store_option
 def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_host: tuple[str, ...],
-          allow_origin: tuple[str, ...], store_dir: str | None) -> None:
+          allow_origin: tuple[str, ...], max_machines: int | None, max_memory: str | None,
+          default_ttl: str | None, on_expiry: str, store_dir: str | None) -> None:
     """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted.
 
     Requests must name this server in their Host header and come from no foreign web origin,
@@ -1035,11 +1106,14 @@ def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_hos
     from rewind.home import Home
     from rewind.serve import api
     from rewind.serve.access import AccessPolicy
-    from rewind.serve.service import Service
+    from rewind.serve.service import DaemonConfig, Service
 
     token, made = api.read_token(token_file, no_auth, host, Home.from_env())
     policy = AccessPolicy.for_bind(host, allow_host, allow_origin)
-    api.serve(Service.from_env(store_dir), host, port, token, policy, made)
+    config = DaemonConfig()
+    config.change(max_machines, parse_mib(max_memory) if max_memory else None,
+                  parse_duration(default_ttl) if default_ttl else None, on_expiry)
+    api.serve(Service.from_env(store_dir, config), host, port, token, policy, made)
 
 
 @cli.command()

@@ -20,6 +20,7 @@ the code by tests/test_api.py (a new error class must be placed in it):
     │   └── GuestFileError
     ├── CommandFailed                        exec(check=True) of a command that exited non-zero
     ├── PortError                            a forward could not be set up (its host port is taken)
+    ├── OverBudget                           a daemon's machines or guest memory would pass its budget
     ├── store.StoreError                     BadRef, UnknownCheckpoint, CheckpointExists and
     │   ├── store.CorruptChunk               StoreBusy are StoreErrors too
     │   ├── store.BadExport
@@ -84,6 +85,15 @@ class GuestFileError(AgentError):
 
 class PortError(RewindError):
     """A port forward could not be set up or ended (its host port is taken, say)."""
+
+
+class OverBudget(RewindError):
+    """Starting this would pass the daemon's budget of machines or guest memory; try again once
+    some are stopped or deleted (`retry_after` seconds is a fair wait)."""
+
+    def __init__(self, message: str, retry_after: int = 10) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class CommandFailed(RewindError):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import ExecResult, exec_deadline
-from rewind.engine.machine import Engine, Machine, MachineInfo
+from rewind.engine.machine import Engine, Machine, MachineInfo, check_ttl
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.ports import LOCAL_HOST, PortForward
 from rewind.errors import AgentError, AlreadyExists, CommandFailed, InvalidArgument, RewindError
@@ -153,6 +153,7 @@ class Sandbox:
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | Checkpoint | None = None, at: str | None = None,
                network: dict | None = None, host_trust: bool | None = None,
+               ttl: float | None = None, on_expiry: str = "stop",
                home: Home | str | os.PathLike[str] | None = None,
                store: str | os.PathLike[str] | None = None,
                progress: Callable[[str], None] | None = None) -> Sandbox:
@@ -168,7 +169,11 @@ class Sandbox:
         but not the host's loopback services.
 
         `host_trust`: the machine takes this host's CA certificates and proxy settings (for a
-        host behind a TLS-inspecting proxy); default: $REWIND_HOST_TRUST (`1` turns it on)."""
+        host behind a TLS-inspecting proxy); default: $REWIND_HOST_TRUST (`1` turns it on).
+
+        `ttl`: seconds it may live; then `on_expiry` (stop, checkpoint or delete) is done to it
+        by `rewind serve`, or `rewind expire` (see set_ttl)."""
+        check_ttl(ttl, on_expiry)
         engine = _engine(home)
         if host_trust is None:
             host_trust = os.environ.get("REWIND_HOST_TRUST", "") in ("1", "true", "yes")
@@ -182,6 +187,8 @@ class Sandbox:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
                                     image=image, network=rules, host_trust=host_trust,
                                     report=progress or (lambda _: None))
+        if ttl is not None:
+            machine.set_ttl(ttl, on_expiry)
         return cls(machine, store)
 
     @staticmethod
@@ -220,6 +227,13 @@ class Sandbox:
     @property
     def labels(self) -> dict[str, str]:
         return dict(self._machine.record.labels)
+
+    def set_ttl(self, seconds: float | None, on_expiry: str | None = None) -> MachineInfo:
+        """Its time to live ends `seconds` from now (None: never; call again to extend it);
+        then `on_expiry` (stop, checkpoint and stop, or delete; default: as set before, else
+        stop) is done to it by `rewind serve` watching its home, or by `rewind expire`."""
+        self._machine.set_ttl(seconds, on_expiry)
+        return self.info()
 
     def set_labels(self, changes: dict[str, str | None]) -> dict[str, str]:
         """Add or change labels; a None value removes one. Returns the labels it has now."""

@@ -104,6 +104,19 @@ Report = Callable[[str], None]
 log = logging.getLogger("rewind")
 
 
+MAX_TTL_S = 30 * 86400
+ON_EXPIRY = ("stop", "checkpoint", "delete")
+
+
+def check_ttl(seconds: float | None, on_expiry: str | None) -> None:
+    if seconds is not None and (not isinstance(seconds, int | float) or isinstance(seconds, bool)
+                                or not 0 < seconds <= MAX_TTL_S):
+        raise InvalidArgument(f"a time to live is more than 0 s and at most {MAX_TTL_S // 86400} days "
+                              f"(got {seconds!r})")
+    if on_expiry is not None and on_expiry not in ON_EXPIRY:
+        raise InvalidArgument(f"on expiry a machine is one of {', '.join(ON_EXPIRY)}, not {on_expiry!r}")
+
+
 def validate_name(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise InvalidArgument("machine name is empty")
@@ -191,6 +204,8 @@ class MachineRecord:
     ports: list[PortForward] = field(default_factory=list)  # set up in every QEMU it runs in
     exec: dict = field(default_factory=dict)  # every command's defaults (ExecDefaults), from its image
     image_base: str | None = None  # the default image an image of the user's own is built on
+    expires: float | None = None  # when its time to live ends (epoch seconds; see expiry.py)
+    on_expiry: str = "stop"  # stop | checkpoint | delete
 
     @classmethod
     def from_json(cls, data: dict) -> MachineRecord:
@@ -216,6 +231,8 @@ class MachineInfo:
     pid: int | None
     created: float
     accel: str
+    expires: float | None = None  # when its time to live ends, if it has one
+    on_expiry: str | None = None
 
 
 class Machine:
@@ -268,7 +285,7 @@ class Machine:
         r = self.record
         return MachineInfo(name=r.name, status=self.status(), memory_mib=r.memory_mib, cpus=r.cpus,
                            labels=dict(r.labels), hostname=r.hostname, pid=r.pid, created=r.created,
-                           accel=r.accel)
+                           accel=r.accel, expires=r.expires, on_expiry=r.on_expiry if r.expires else None)
 
     def check_alive(self) -> None:
         """Raise MachineDied/MachineNotRunning unless the machine's QEMU is running."""
@@ -362,6 +379,18 @@ class Machine:
         top = self.disk_dir / f"disk-{secrets.token_hex(4)}.qcow2"
         shutil.copyfile(blank_layer(self.engine.home.runtime, self.record.disk_size_mib), top)
         return top
+
+    def set_ttl(self, seconds: float | None, on_expiry: str | None = None) -> None:
+        """Its time to live ends `seconds` from now (None: never); then `on_expiry` is done to
+        it: stop, checkpoint (and stop) or delete, by whoever watches (`rewind serve`, or
+        `rewind expire`)."""
+        check_ttl(seconds, on_expiry)
+
+        def change(r: MachineRecord) -> None:
+            r.expires = None if seconds is None else time.time() + seconds
+            r.on_expiry = on_expiry or r.on_expiry
+        with self.locked(shared=True):
+            self.update(change)
 
     def set_labels(self, changes: dict[str, str | None]) -> dict[str, str]:
         """Add or change labels (a None value removes one); the labels it has now."""

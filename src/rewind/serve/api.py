@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse
 from starlette.types import ASGIApp
 
-from rewind.errors import InvalidArgument, RewindError
+from rewind.errors import InvalidArgument, OverBudget, RewindError
 from rewind.home import Home
 from rewind.sandbox import command_argv
 from rewind.serve import wire
@@ -46,6 +46,7 @@ from rewind.serve.access import (
     is_loopback,
     read_token_file,
 )
+from rewind.serve.expiry import Reaper
 from rewind.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from rewind.serve.requestlog import RequestIds, log_as_json_lines
 from rewind.serve.service import MAX_FORKS, Service
@@ -74,6 +75,8 @@ class CreateBody(BaseModel):
     network: dict | None = Field(None, description='First rules: {"internet": false, "allow": ["pypi.org"]}')
     host_trust: bool | None = Field(None, description="Take the server host's CA certificates and proxy "
                                                       "settings (default: its REWIND_HOST_TRUST)")
+    ttl: float | None = Field(None, gt=0, description="Seconds it may live (default: the daemon's)")
+    on_expiry: str | None = Field(None, description="stop, checkpoint or delete, once its time is up")
 
 
 class ExecBody(BaseModel):
@@ -146,6 +149,18 @@ class PortBody(BaseModel):
     host_port: int | None = Field(None, ge=1, le=65535, description="Default: a free port")
     host: str = Field("127.0.0.1", description="The host address to listen on; another than "
                                                "loopback makes the guest's service reachable from outside")
+
+
+class TtlBody(BaseModel):
+    ttl: float | None = Field(description="Seconds from now; null: no time to live")
+    on_expiry: str | None = Field(None, description="stop, checkpoint or delete (default: as before)")
+
+
+class ConfigBody(BaseModel):
+    max_machines: int | None = None
+    max_memory_mib: int | None = None
+    default_ttl: float | None = None
+    on_expiry: str | None = None
 
 
 class ClassifyBody(BaseModel):
@@ -252,8 +267,13 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with mcp.session_manager.run():
-            yield
+        reaper = Reaper(service.home, None if service.store_path is None else str(service.store_path))
+        reaper.start()
+        try:
+            async with mcp.session_manager.run():
+                yield
+        finally:
+            await asyncio.to_thread(reaper.stop)
 
     app = FastAPI(title="rewind", version="0.1.0", lifespan=lifespan,
                   description="An undo button for AI agents: machines you can checkpoint, restore in place, "
@@ -266,7 +286,10 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
 
     @app.exception_handler(RewindError)
     async def rewind_error(_: Request, exc: RewindError) -> JSONResponse:
-        return _problem_response(exc)
+        response = _problem_response(exc)
+        if isinstance(exc, OverBudget):
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -311,10 +334,28 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
                idempotency_key: str | None = Header(None)) -> Response:
         """Start a machine (from the image, or from a checkpoint). With Accept: text/event-stream,
         `progress` events, then `result` (the machine) or `error`."""
-        args = body.model_dump()
+        args = body.model_dump(exclude={"ttl", "on_expiry"})
+        if body.ttl is not None:
+            args |= {"ttl": body.ttl, "on_expiry": body.on_expiry}
         if _wants_events(request) and idempotency_key is None:
             return _progress_stream(lambda progress: service.create(**args, progress=progress))
         return kept.run(idempotency_key, "create", body, 201, lambda: service.create(**args))
+
+    @app.put("/machines/{name}/ttl", tags=["machines"])
+    def set_ttl(name: str, body: TtlBody) -> dict:
+        """Set or extend its time to live (from now), or clear it; the machine as it is now."""
+        return service.set_ttl(name, body.ttl, body.on_expiry)
+
+    @app.get("/config", tags=["server"])
+    def config() -> dict:
+        """The daemon's budget (machines, guest memory) and default time to live."""
+        return service.config.to_json()
+
+    @app.patch("/config", tags=["server"])
+    def change_config(body: ConfigBody) -> dict:
+        """Change the budget or the default time to live (for machines made from now on)."""
+        service.config.change(**body.model_dump())
+        return service.config.to_json()
 
     @app.get("/images", tags=["machines"])
     def images() -> list[dict]:

@@ -130,6 +130,7 @@ class Remote:
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | Checkpoint | None = None, at: str | None = None,
                network: dict | None = None, host_trust: bool | None = None,
+               ttl: float | None = None, on_expiry: str = "stop",
                progress: Callable[[str], None] | None = None,
                idempotency_key: str | None = None) -> RemoteSandbox:
         """As Sandbox.create (`host_trust` is the server host's). `progress` gets each step as the
@@ -137,7 +138,8 @@ class Remote:
         if isinstance(from_checkpoint, Checkpoint):
             from_checkpoint = from_checkpoint.id
         body = {"name": name, "memory": memory, "cpus": cpus, "disk": disk, "labels": labels, "image": image,
-                "from_checkpoint": from_checkpoint, "at": at, "network": network, "host_trust": host_trust}
+                "from_checkpoint": from_checkpoint, "at": at, "network": network, "host_trust": host_trust,
+                "ttl": ttl, "on_expiry": on_expiry if ttl is not None else None}
         if progress is not None and idempotency_key is None:
             info = self.reported("/machines", body, progress)
         else:
@@ -202,6 +204,9 @@ class RemoteSandbox:
 
     def set_labels(self, changes: dict[str, str | None]) -> dict[str, str]:
         return self._call("PATCH", "/labels", json=changes)
+
+    def set_ttl(self, seconds: float | None, on_expiry: str | None = None) -> MachineInfo:
+        return wire.info_from(self._call("PUT", "/ttl", json={"ttl": seconds, "on_expiry": on_expiry}))
 
     @property
     def status(self) -> str:

@@ -78,11 +78,13 @@ def build_server(service: Service) -> MCPServer:
     async def create(ctx: Context, name: str | None = None, labels: dict[str, str] | None = None,
                      from_checkpoint: str | None = None, at: str | None = None,
                      network: dict | None = None, image: str | None = None,
-                     host_trust: bool | None = None) -> dict[str, Any]:
+                     host_trust: bool | None = None, ttl: float | None = None,
+                     on_expiry: str | None = None) -> dict[str, Any]:
         """Start a new machine (a few seconds), or one running from a checkpoint (`from_checkpoint`:
         an id, id prefix or name; `at`: such as ~2 to count back from it). `image`: one built
         with `rewind image build --from ...` (default: the built Debian one). `host_trust`: take the
-        server host's CA certificates and proxy settings. Progress is reported."""
+        server host's CA certificates and proxy settings. `ttl`: seconds it may live, then
+        `on_expiry` (stop, checkpoint or delete). Progress is reported."""
         steps = 0
 
         def progress(step: str) -> None:
@@ -92,7 +94,13 @@ def build_server(service: Service) -> MCPServer:
 
         return await anyio.to_thread.run_sync(functools.partial(
             service.create, name, labels=labels, from_checkpoint=from_checkpoint, at=at, network=network,
-            image=image, host_trust=host_trust, progress=progress))
+            image=image, host_trust=host_trust, ttl=ttl, on_expiry=on_expiry, progress=progress))
+
+    @tool(WRITE)
+    def set_ttl(name: str, ttl: float | None, on_expiry: str | None = None) -> dict[str, Any]:
+        """Set or extend the machine's time to live to `ttl` seconds from now (null: none);
+        then `on_expiry` (stop, checkpoint or delete) is done to it."""
+        return service.set_ttl(name, ttl, on_expiry)
 
     @tool(READ)
     def list_images() -> dict[str, Any]:

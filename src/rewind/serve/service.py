@@ -12,33 +12,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rewind.engine.machine import Engine
+from rewind.engine import DEFAULT_MEMORY_MIB
+from rewind.engine.machine import Engine, check_ttl
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.ports import LOCAL_HOST
+from rewind.engine.timeline import PointMeta
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import classify
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
 from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
 from rewind.serve import wire
+from rewind.serve.budget import Admission, Budget
 from rewind.serve.metrics import Metrics, measured
 from rewind.store import Store, export_checkpoint, import_checkpoint
 
 MAX_FORKS = 64
 
 
+@dataclass
+class DaemonConfig:
+    """What an operator sets for a daemon (flags of `rewind serve`, GET/PATCH /config): its
+    budget, and the time to live of machines made through it that were given none."""
+
+    budget: Budget = field(default_factory=Budget.for_host)
+    default_ttl: float | None = None
+    on_expiry: str = "stop"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_machines": self.budget.machines, "max_memory_mib": self.budget.memory_mib,
+                "default_ttl": self.default_ttl, "on_expiry": self.on_expiry}
+
+    def change(self, max_machines: int | None = None, max_memory_mib: int | None = None,
+               default_ttl: float | None = None, on_expiry: str | None = None) -> None:
+        check_ttl(default_ttl, on_expiry)
+        self.budget.change(max_machines, max_memory_mib)
+        self.default_ttl = default_ttl if default_ttl is not None else self.default_ttl
+        self.on_expiry = on_expiry or self.on_expiry
+
+
 @dataclass(frozen=True)
 class Service:
     home: Home
     store_path: str | os.PathLike[str] | None = None
+    config: DaemonConfig = field(default_factory=DaemonConfig)
     metrics: Metrics = field(init=False, repr=False, compare=False)
+    admission: Admission = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", Metrics(self))  # counts what both faces do
+        object.__setattr__(self, "admission", Admission(self.home, self.config.budget))
 
     @classmethod
-    def from_env(cls, store: str | os.PathLike[str] | None = None) -> Service:
-        return cls(Home.from_env(), store)
+    def from_env(cls, store: str | os.PathLike[str] | None = None,
+                 config: DaemonConfig | None = None) -> Service:
+        return cls(Home.from_env(), store, config or DaemonConfig())
 
     def sandbox(self, name: str) -> Sandbox:
         return Sandbox.get(name, home=self.home, store=self.store_path)
@@ -55,13 +83,30 @@ class Service:
     def create(self, name: str | None = None, *, memory: int | None = None, cpus: int | None = None,
                disk: int = 0, labels: dict[str, str] | None = None, image: str | None = None,
                from_checkpoint: str | None = None, at: str | None = None, network: dict | None = None,
-               host_trust: bool | None = None,
+               host_trust: bool | None = None, ttl: float | None = None, on_expiry: str | None = None,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """A new machine; without `ttl`, it gets the daemon's default time to live, if any."""
         sizes = {k: v for k, v in (("memory", memory), ("cpus", cpus)) if v is not None}
-        sbx = Sandbox.create(name, disk=disk, labels=labels, image=image, from_checkpoint=from_checkpoint,
-                             at=at, network=network, host_trust=host_trust, home=self.home,
-                             store=self.store_path, progress=progress, **sizes)
+        ttl = {"ttl": ttl or self.config.default_ttl, "on_expiry": on_expiry or self.config.on_expiry} \
+            if ttl or self.config.default_ttl else {}
+        with self.admission.admit(1, self._memory_of(memory, from_checkpoint, at)):
+            sbx = Sandbox.create(name, disk=disk, labels=labels, image=image, from_checkpoint=from_checkpoint,
+                                 at=at, network=network, host_trust=host_trust, home=self.home,
+                                 store=self.store_path, progress=progress, **sizes, **ttl)
         return wire.info_json(sbx.info())
+
+    def _memory_of(self, memory: int | None, from_checkpoint: str | None, at: str | None) -> int:
+        """The guest memory a new machine will have: asked for, its point's, or the default."""
+        if from_checkpoint is None:
+            return memory or DEFAULT_MEMORY_MIB
+        engine = Engine(self.home)
+        found = engine.find_point(self.store(), from_checkpoint)
+        if at is not None:
+            found = engine.find_point(self.store(), at, relative_to=found.point.id)
+        return PointMeta.from_json(found.point.id, found.point.meta).memory_mib
+
+    def set_ttl(self, name: str, seconds: float | None, on_expiry: str | None = None) -> dict[str, Any]:
+        return wire.info_json(self.sandbox(name).set_ttl(seconds, on_expiry))
 
     def list(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
         return [wire.info_json(m.info()) for m in Engine(self.home).list(labels)]
@@ -78,7 +123,10 @@ class Service:
     @measured("start")
     def start(self, name: str, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         sbx = self.sandbox(name)
-        sbx.start(progress)
+        info = sbx.info()
+        with self.admission.admit(0 if info.status == "running" else 1, 0 if info.status == "running"
+                                  else info.memory_mib):
+            sbx.start(progress)
         return wire.info_json(sbx.info())
 
     def set_labels(self, name: str, changes: dict[str, str | None]) -> dict[str, str]:
@@ -212,7 +260,12 @@ class Service:
             raise InvalidArgument(f"a fork makes 1 to {MAX_FORKS} copies (asked for {len(wanted)})")
         engine = Engine(self.home)
         rules = NetworkRules.from_json(network) if network is not None else None
-        children = engine.fork(engine.get(name), self.store(), wanted, labels=labels, network=rules)
+        source = engine.get(name)
+        with self.admission.admit(len(wanted), len(wanted) * source.record.memory_mib):
+            children = engine.fork(source, self.store(), wanted, labels=labels, network=rules)
+        if self.config.default_ttl:
+            for child in children:
+                child.set_ttl(self.config.default_ttl, self.config.on_expiry)
         return [wire.info_json(child.info()) for child in children]
 
     def checkpoints(self) -> list[dict[str, Any]]:

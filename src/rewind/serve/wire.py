@@ -33,6 +33,7 @@ STATUS: dict[type[BaseException], int] = {
     errors.Busy: 409,
     errors.MachineNotRunning: 409,
     errors.PortError: 409,
+    errors.OverBudget: 429,
     errors.GuestFileError: 422,
     errors.AgentError: 502,
     errors.ImageError: 503,
@@ -104,7 +105,7 @@ def info_json(i: MachineInfo) -> dict[str, Any]:
 
 
 def info_from(d: dict[str, Any]) -> MachineInfo:
-    return MachineInfo(**{f.name: d[f.name] for f in dataclasses.fields(MachineInfo)})
+    return MachineInfo(**{f.name: d[f.name] for f in dataclasses.fields(MachineInfo) if f.name in d})
 
 
 def decision_from(d: dict[str, Any]) -> Decision:
