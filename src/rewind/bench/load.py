@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import statistics
 import sys
@@ -89,17 +91,29 @@ def _client(url: str, token: str, n: int, phase: Phase, until: float) -> None:
             phase.rounds += 1
 
 
-def _prober(url: str, phase: Phase, done: threading.Event, home: Home) -> None:
+def _probe(url: str, seconds: float, out: multiprocessing.connection.Connection) -> None:
+    """In a process of its own, as a monitoring probe would be: the clients' threads share a
+    GIL that would delay its own measurements. Sends back each /health time (ms; -1 when it
+    could not connect)."""
+    times = []
+    until = time.monotonic() + seconds
     with httpx2.Client(base_url=url, timeout=10) as http:
-        while not done.wait(HEALTH_EVERY_S):
+        while time.monotonic() < until:
             started = time.monotonic()
             try:
                 http.get("/health")
+                times.append((time.monotonic() - started) * 1000)
             except httpx2.TransportError:
-                phase.statuses["health_unreachable"] += 1
-            phase.health_ms.append((time.monotonic() - started) * 1000)
-            phase.peak_shm_mib = max(phase.peak_shm_mib, _tree_mib(home.runtime))
-            phase.peak_rss_mib = max(phase.peak_rss_mib, _rss_mib(str(home.root)))
+                times.append(-1.0)
+            time.sleep(HEALTH_EVERY_S)
+    out.send(times)
+
+
+def _watch(phase: Phase, done: threading.Event, home: Home) -> None:
+    """The peaks of memory (the daemon and its home's QEMUs) and of the home's /dev/shm files."""
+    while not done.wait(0.5):
+        phase.peak_shm_mib = max(phase.peak_shm_mib, _tree_mib(home.runtime))
+        phase.peak_rss_mib = max(phase.peak_rss_mib, _rss_mib(str(home.root)))
 
 
 def _tree_mib(root: Path) -> float:
@@ -143,7 +157,10 @@ def run_phase(home: Home, clients: int, seconds: float, log: Path) -> Phase:
     token = token_file.read_text()
     with serve_process(home, log, args) as url:
         done = threading.Event()
-        prober = threading.Thread(target=_prober, args=(url, phase, done, home), daemon=True)
+        watcher = threading.Thread(target=_watch, args=(phase, done, home), daemon=True)
+        watcher.start()
+        results, sent = multiprocessing.Pipe(duplex=False)
+        prober = multiprocessing.get_context("spawn").Process(target=_probe, args=(url, seconds, sent))
         prober.start()
         until = time.monotonic() + seconds
         threads = [threading.Thread(target=_client, args=(url, token, n, phase, until))
@@ -153,7 +170,12 @@ def run_phase(home: Home, clients: int, seconds: float, log: Path) -> Phase:
         for t in threads:
             t.join()
         done.set()
+        watcher.join()
+        probed = results.recv()
         prober.join()
+        phase.health_ms = [t for t in probed if t >= 0]
+        if len(probed) > len(phase.health_ms):
+            phase.statuses["health_unreachable"] += len(probed) - len(phase.health_ms)
         with httpx2.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             phase.left += [f"machine {m['name']}" for m in http.get("/machines").json()]
     close_home(home)
