@@ -21,6 +21,7 @@ from rewind import AlreadyExists, Home, ImageError, InvalidArgument, NotFound, S
 from rewind.engine.machine import Engine
 from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
 from rewind.image.dockerfile import Builder, builder_for
+from rewind.store import Store
 
 ENV = {"PATH": "/bin", "GREETING": "from the image"}
 
@@ -117,6 +118,8 @@ def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Ho
     with Sandbox.create(image=built["oci"], home=shared_home) as sbx:
         sbx.exec("echo travelled > /root/state", check=True)
         point = sbx.checkpoint(wait=True)
+    digest = Engine(shared_home).image(built["oci"]).source["digest"]
+    assert Store.open(shared_home.store).get(point.id).meta["image_digest"] == digest
     try:
         with Sandbox.create(from_checkpoint=point.id, home=other, store=shared_home.store) as copy:
             r = copy.exec("cat /root/state; pwd; echo $GREETING; command -v bash || echo none")

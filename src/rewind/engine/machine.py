@@ -204,6 +204,7 @@ class MachineRecord:
     ports: list[PortForward] = field(default_factory=list)  # set up in every QEMU it runs in
     exec: dict = field(default_factory=dict)  # every command's defaults (ExecDefaults), from its image
     image_base: str | None = None  # the default image an image of the user's own is built on
+    image_digest: str | None = None  # an image of the user's own: its source's config digest
     expires: float | None = None  # when its time to live ends (epoch seconds; see expiry.py)
     on_expiry: str = "stop"  # stop | checkpoint | delete
 
@@ -978,7 +979,8 @@ class Engine:
         machine = self.new_machine(name, memory_mib=memory_mib, cpus=cpus, labels=labels, image_id=chosen.id,
                             accel=template.accel, disk_size_mib=base_mib, parent=None,
                             state_of=lambda: template_state(template, self.home.runtime, chosen),
-                            network=network, exec_defaults=chosen.exec, image_base=chosen.base)
+                            network=network, exec_defaults=chosen.exec, image_base=chosen.base,
+                            image_digest=chosen.source.get("digest"))
         if disk_mib > base_mib:
             with self._undo_on_failure(machine):
                 machine.grow_disk(disk_mib)
@@ -1075,7 +1077,7 @@ class Engine:
                     image_id: str, accel: str, disk_size_mib: int, parent: str | None,
                     state_of: Callable[[], SavedState], network: NetworkRules | None = None,
                     extra: dict | None = None, exec_defaults: dict | None = None,
-                    image_base: str | None = None) -> Machine:
+                    image_base: str | None = None, image_digest: str | None = None) -> Machine:
         """Register a machine and run the saved state `state_of` gives in it, with a new
         identity."""
         name = validate_name(name) if name is not None else f"m-{secrets.token_hex(4)}"
@@ -1092,7 +1094,7 @@ class Engine:
             image_id=image_id, hostname=_hostname(name), machine_id=uuid.uuid4().hex, mac=_new_mac(),
             vmgenid=str(uuid.uuid4()), created=time.time(), accel=accel, disk_size_mib=disk_size_mib,
             parent=parent, extra=extra or {}, network=(network or NetworkRules()).to_json(),
-            exec=dict(exec_defaults or {}), image_base=image_base)
+            exec=dict(exec_defaults or {}), image_base=image_base, image_digest=image_digest)
         machine = Machine(self, path, record)
         with self._undo_on_failure(machine), \
                 file_lock(path / "lock", timeout=LOCK_TIMEOUT, what=f"machine {name!r}"):

@@ -76,6 +76,7 @@ class PointMeta:
     # initramfs and runtime disk are (a host without that image runs the point on those).
     exec: dict = field(default_factory=dict)
     image_base: str | None = None
+    image_digest: str | None = None
 
     @classmethod
     def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None,
@@ -83,12 +84,13 @@ class PointMeta:
         return cls(memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel, image_id=r.image_id,
                    disk_size_mib=r.disk_size_mib, hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                    network=r.network, pause_s=pause_s, context=context, guest=guest,
-                   machine_labels=dict(r.labels), exec=dict(r.exec), image_base=r.image_base)
+                   machine_labels=dict(r.labels), exec=dict(r.exec), image_base=r.image_base,
+                   image_digest=r.image_digest)
 
     def to_json(self) -> dict:
         data = asdict(self)
         for key, unset in (("context", None), ("imported", False), ("guest", None), ("machine_labels", None),
-                           ("exec", {}), ("image_base", None)):
+                           ("exec", {}), ("image_base", None), ("image_digest", None)):
             if data[key] == unset:
                 del data[key]
         return data
@@ -121,7 +123,7 @@ class PointMeta:
                    imported=meta.get("imported") is True, guest=guest if isinstance(guest, dict) else None,
                    machine_labels=labels if isinstance(labels, dict) else None,
                    exec=ExecDefaults.from_json(meta.get("exec")).to_json() if meta.get("exec") else {},
-                   image_base=text("image_base") or None)
+                   image_base=text("image_base") or None, image_digest=text("image_digest") or None)
 
     def rules(self) -> NetworkRules:
         """The network rules a new machine from this point starts with, unless its caller gives
@@ -469,4 +471,4 @@ def _run_point(engine: Engine, name: str | None, point_id: str, machine: str, me
         accel=meta.accel, disk_size_mib=meta.disk_size_mib, parent=point_id, state_of=state_of,
         network=network if network is not None else meta.rules(),
         extra={"from_checkpoint": point_id, "from_machine": machine, **extra},
-        exec_defaults=meta.exec, image_base=meta.image_base)
+        exec_defaults=meta.exec, image_base=meta.image_base, image_digest=meta.image_digest)
