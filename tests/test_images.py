@@ -21,7 +21,7 @@ from rewind import AlreadyExists, Home, ImageError, InvalidArgument, NotFound, S
 from rewind.engine.machine import Engine
 from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
 from rewind.image.dockerfile import Builder, builder_for
-from rewind.store import Store
+from rewind.store import Store, export_checkpoint, import_checkpoint
 
 ENV = {"PATH": "/bin", "GREETING": "from the image"}
 
@@ -108,8 +108,8 @@ def test_image_ls_rm_and_bad_builds_are_clear(shared_home: Home, built: dict[str
 
 def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Home, built: dict[str, str],
                                                                  tmp_path: Path) -> None:
-    # A second home on the same store, whose images are only the default one: the point
-    # brings the image's disk, and the default image its kernel and runtime.
+    # A second home whose images are only the default one: the point brings the image's
+    # disk, and the default image its kernel and runtime.
     other_images = tmp_path / "images"
     other_images.mkdir()
     default = Engine(shared_home).image()
@@ -120,10 +120,15 @@ def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Ho
         point = sbx.checkpoint(wait=True)
     digest = Engine(shared_home).image(built["oci"]).source["digest"]
     assert Store.open(shared_home.store).get(point.id).meta["image_digest"] == digest
+    # Through the shared store, and through an export file into the other home's own store.
+    exported = tmp_path / "point.rewind"
+    export_checkpoint(Store.open(shared_home.store), point.id, exported)
+    imported = import_checkpoint(Store.open(other.store, create=True), exported)
     try:
-        with Sandbox.create(from_checkpoint=point.id, home=other, store=shared_home.store) as copy:
-            r = copy.exec("cat /root/state; pwd; echo $GREETING; command -v bash || echo none")
-            assert r.stdout == "travelled\n/home/user\nfrom the image\nnone\n", r
+        for store in (shared_home.store, other.store):
+            with Sandbox.create(from_checkpoint=imported.id, home=other, store=store) as copy:
+                r = copy.exec("cat /root/state; pwd; echo $GREETING; command -v bash || echo none")
+                assert r.stdout == "travelled\n/home/user\nfrom the image\nnone\n", (store, r)
     finally:
         cleanup_home(other)
 
