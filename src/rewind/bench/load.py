@@ -25,6 +25,7 @@ import httpx2
 
 from rewind.bench.ours import close_home
 from rewind.home import Home
+from rewind.serve.metrics import tree_bytes
 from rewind.serve.process import serve_process
 
 MAX_CLIENTS = 32
@@ -112,19 +113,8 @@ def _probe(url: str, seconds: float, out: multiprocessing.connection.Connection)
 def _watch(phase: Phase, done: threading.Event, home: Home) -> None:
     """The peaks of memory (the daemon and its home's QEMUs) and of the home's /dev/shm files."""
     while not done.wait(0.5):
-        phase.peak_shm_mib = max(phase.peak_shm_mib, _tree_mib(home.runtime))
+        phase.peak_shm_mib = max(phase.peak_shm_mib, tree_bytes(home.runtime) / (1 << 20))
         phase.peak_rss_mib = max(phase.peak_rss_mib, _rss_mib(str(home.root)))
-
-
-def _tree_mib(root: Path) -> float:
-    total = 0
-    for folder, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(folder, f)).st_blocks * 512
-            except FileNotFoundError:
-                continue
-    return total / (1 << 20)
 
 
 def _processes_of(text: str) -> list[int]:

@@ -96,7 +96,7 @@ class _HostState(Collector):
                                 "bucket (a store in a bucket; 0 for a folder store)", value=self._queued())
         runtime = self.service.home.runtime
         yield GaugeMetricFamily("rewind_shm_bytes", "Bytes of this home's memory files on tmpfs",
-                                value=_tree_bytes(runtime))
+                                value=tree_bytes(runtime))
         if runtime.parent.is_dir():
             usage = shutil.disk_usage(runtime.parent)
             yield GaugeMetricFamily("rewind_shm_free_bytes", "Free bytes on the tmpfs of memory files",
@@ -113,11 +113,11 @@ class _HostState(Collector):
             now = time.monotonic()
             if self._store_size is None or now - self._store_size[0] > STORE_SIZE_EVERY_S:
                 root = Path(self.service.store_path) if self.service.store_path else self.service.home.store
-                self._store_size = (now, _tree_bytes(root) if root.is_dir() else 0)
+                self._store_size = (now, tree_bytes(root) if root.is_dir() else 0)
             return self._store_size[1]
 
 
-def _tree_bytes(root: Path) -> int:
+def tree_bytes(root: Path) -> int:
     """What the files under `root` take (their blocks: memory files are sparse)."""
     total = 0
     for folder, _, files in os.walk(root):
