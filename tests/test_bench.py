@@ -9,6 +9,7 @@ from pathlib import Path
 from conftest import rewind_cli
 
 from rewind import Home
+from rewind.bench.load import processes_naming
 
 EXPECTED = {
     "start_to_first_exec_s", "exec_true_ms", "file_write_10mb_s", "file_read_10mb_s",
@@ -51,16 +52,4 @@ def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
     assert [p["touched_mib"] for p in report["curve"]["rewind"]] == [64, 128]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(Path(tempfile.gettempdir()).glob("rewind-bench-*")), "the benchmark left files behind"
-    assert not _processes_naming("/rewind-bench-"), "the benchmark left processes behind"
-
-
-def _processes_naming(text: str) -> list[int]:
-    """PIDs whose command line holds `text` (a QEMU names its home's files in its own)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue  # gone meanwhile
-    return found
+    assert not processes_naming("/rewind-bench-"), "the benchmark left processes behind"

@@ -117,7 +117,8 @@ def _watch(phase: Phase, done: threading.Event, home: Home) -> None:
         phase.peak_rss_mib = max(phase.peak_rss_mib, _rss_mib(str(home.root)))
 
 
-def _processes_of(text: str) -> list[int]:
+def processes_naming(text: str) -> list[int]:
+    """PIDs whose command line holds `text` (a QEMU names its home's files in its own)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -130,7 +131,7 @@ def _processes_of(text: str) -> list[int]:
 
 def _rss_mib(text: str) -> float:
     total = 0
-    for pid in _processes_of(text):
+    for pid in processes_naming(text):
         try:
             total += int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                               if line.startswith("VmRSS:")))
@@ -169,7 +170,7 @@ def run_phase(home: Home, clients: int, seconds: float, log: Path) -> Phase:
         with httpx2.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             phase.left += [f"machine {m['name']}" for m in http.get("/machines").json()]
     close_home(home)
-    phase.left += [f"process {pid}" for pid in _processes_of(str(home.root))]
+    phase.left += [f"process {pid}" for pid in processes_naming(str(home.root))]
     if home.runtime.exists() and any(home.runtime.iterdir()):
         phase.left.append(f"files in {home.runtime}")
     return phase
