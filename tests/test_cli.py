@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from conftest import rewind_cli
@@ -71,7 +72,7 @@ def test_doctor_reports_accel_qemu_and_image(home: Home) -> None:
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["accel"] in ("kvm", "tcg") and report["image"] == "built"
-    assert report["qemu"].startswith("QEMU emulator version")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", report["qemu"]) and report["qemu_board"].startswith("pc-q35-")
     assert report["merged_layers"] == {"files": 0, "mib": 0.0}  # a new home
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -1132,18 +1131,18 @@ def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""
     from rewind.engine import diskchain, ramcache
     from rewind.engine.checkpoint import Caches
-    from rewind.engine.qemu import QEMU_BINARY
+    from rewind.engine.qemu import QemuError, qemu_build
     from rewind.engine.template import find_template
     from rewind.image import find_image, recipe_id
 
     engine = _engine()
-    qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
-    report: dict[str, Any] = {
-        "home": str(engine.home.root),
-        "images": str(engine.home.images),
-        "qemu": qemu.stdout.splitlines()[0] if qemu.returncode == 0 else None,
-        "image_recipe": recipe_id(),
-    }
+    report: dict[str, Any] = {"home": str(engine.home.root), "images": str(engine.home.images)}
+    try:
+        build = qemu_build()
+        report.update(qemu=build.version_text, qemu_binary=build.binary, qemu_board=build.machine)
+    except QemuError as e:
+        report.update(qemu=None, qemu_problem=str(e))
+    report["image_recipe"] = recipe_id()
     try:
         img = find_image(engine.home.images)
         choice = engine.accel()

@@ -18,7 +18,7 @@ from rewind.bench.ours import Progress
 from rewind.bench.peers import PEERS, run_peers
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.machine import Engine
-from rewind.engine.qemu import QEMU_BINARY
+from rewind.engine.qemu import qemu_build
 from rewind.home import Home
 
 __all__ = ["Metric", "Report", "run"]
@@ -29,7 +29,6 @@ LOOP_ROUNDS = 20
 def describe_host(home: Home) -> dict[str, str]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
-    qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False).stdout
     runsc = shutil.which("runsc")
     gvisor = subprocess.run([runsc, "--version"], capture_output=True, text=True, check=False).stdout \
         if runsc else ""
@@ -37,7 +36,7 @@ def describe_host(home: Home) -> dict[str, str]:
                   if line.startswith("MemTotal:"))
     return {"cpu": cpu, "cores": str(os.cpu_count()), "memory_mib": str(int(memory) // 1024),
             "kernel": platform.release(),
-            "accel": Engine(home).accel().accel, "qemu": (qemu.splitlines() or ["?"])[0],
+            "accel": Engine(home).accel().accel, "qemu": qemu_build().banner,
             "runsc": (gvisor.splitlines() or ["not installed"])[0], "python": platform.python_version(),
             "machine": f"{DEFAULT_MEMORY_MIB} MiB, {DEFAULT_CPUS} vCPUs"}
 

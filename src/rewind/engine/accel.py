@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rewind.engine.qemu import QEMU_BINARY
+from rewind.engine.qemu import QemuError, qemu_build
 from rewind.errors import InvalidArgument
 from rewind.image import Image
 from rewind.store.durable import replace_durably
@@ -36,8 +36,11 @@ class AccelChoice:
 
 
 def _host_key() -> str:
-    qemu = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
-    return f"{platform.node()}|{platform.release()}|{qemu.stdout.splitlines()[0] if qemu.stdout else '?'}"
+    try:
+        qemu = qemu_build().banner
+    except QemuError:
+        qemu = "?"
+    return f"{platform.node()}|{platform.release()}|{qemu}"
 
 
 def choose_accel(cache_dir: Path, image: Image | None) -> AccelChoice:
@@ -70,7 +73,7 @@ def probe_kvm(kernel: Path, probe_initrd: Path) -> tuple[str, str]:
     """("kvm", why) if a guest really boots under KVM in time, else ("tcg", why)."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return "tcg", "/dev/kvm is not available"
-    argv = [QEMU_BINARY, "-nodefaults", "-no-user-config", "-display", "none", "-machine", "q35",
+    argv = [qemu_build().binary, "-nodefaults", "-no-user-config", "-display", "none", "-machine", "q35",
             "-accel", "kvm", "-cpu", "max", "-m", "128M", "-kernel", str(kernel), "-initrd",
             str(probe_initrd), "-append", "console=ttyS0 quiet panic=-1", "-serial", "stdio",
             "-no-reboot"]

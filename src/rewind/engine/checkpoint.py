@@ -29,6 +29,7 @@ import blake3
 
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.migstream import SplitResult
+from rewind.engine.qemu import board_of
 from rewind.engine.snapshot import SavedState
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
 from rewind.store.durable import fsync_file, replace_durably
@@ -219,4 +220,5 @@ def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> Save
     devstate = cached(blobs["devstate"], caches.devstate / blob_digest(blobs["devstate"]))
     disks = [cached(blobs[f"disk.{i}"], layer_path(caches, blobs[f"disk.{i}"]))
              for i in range(manifest.meta["layers"])]
-    return SavedState(ram=ram, devstate=devstate, disks=disks, point=manifest.id)
+    return SavedState(ram=ram, devstate=devstate, disks=disks, board=board_of(manifest.meta),
+                      point=manifest.id)

@@ -51,6 +51,7 @@ from rewind.engine.qemu import (
     AGENT_PORTS,
     CONSOLE_LOG,
     CONSOLE_SOCKET,
+    LEGACY_BOARD,
     PID_FILE,
     QEMU_LOG,
     QMP_SOCKET,
@@ -60,6 +61,7 @@ from rewind.engine.qemu import (
     kill,
     launch,
     process_alive,
+    qemu_build,
     wait_exit,
 )
 from rewind.engine.qmp import Monitor, MonitorError
@@ -207,6 +209,7 @@ class MachineRecord:
     image_digest: str | None = None  # an image of the user's own: its source's config digest
     expires: float | None = None  # when its time to live ends (epoch seconds; see expiry.py)
     on_expiry: str = "stop"  # stop | checkpoint | delete
+    board: str = LEGACY_BOARD  # the versioned QEMU board its QEMU runs (qemu.QemuBuild)
 
     @classmethod
     def from_json(cls, data: dict) -> MachineRecord:
@@ -356,14 +359,14 @@ class Machine:
     # ---- lifecycle ----
 
     def _spec(self, ram: Path | None, incoming: bool, disks: list[Path], vmgenid: str,
-              configuration: bool = True) -> VmSpec:
+              configuration: bool = True, board: str | None = None) -> VmSpec:
         """QEMU's command line for this machine, its disk's frozen layers merged where a merged
         file is there (diskchain.py). Reads only what no restore changes (a NextQemu calls it
         on a thread of its own)."""
         r = self.record
         image = self.engine.image(r.image_id)
         chain = [*diskchain.for_qemu(disks[:-1], self.engine.home), (len(disks) - 1, disks[-1])]
-        return VmSpec(tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
+        return VmSpec(board=board or "q35", tag=r.uuid, memory_mib=r.memory_mib, cpus=r.cpus, accel=r.accel,
                       kernel=image.kernel, initrd=image.initrd, disks=chain,
                       ram_file=ram, ram_shared=False, mac=r.mac, vmgenid=vmgenid, incoming=incoming,
                       configuration=configuration, runtime_disk=image.runtime_disk)
@@ -518,6 +521,7 @@ class Machine:
             state, r = launched.state, self.record
             r.disks = [*(str(d) for d in state.disks), str(launched.top)]
             r.ram, r.ram_point, r.vmgenid = str(state.ram), state.ram_point, nxt.vmgenid
+            r.board = state.board
             with self._launching(nxt.adopt):
                 pass  # its guest runs already: nothing to do while the filter starts
         except BaseException:
@@ -531,6 +535,7 @@ class Machine:
         report(f"booting {self.name} from its disk")
         spec = self._spec(None, incoming=False, disks=[Path(d) for d in self.record.disks],
                           vmgenid=self.record.vmgenid)
+        self.record.board = qemu_build().machine  # what plain q35 is: its captures are of that
         with self._launching(lambda: launch(spec, self.path)):
             self.apply_identity(self.path, self._check_starting, connect_timeout=BOOT_TIMEOUT)
 
@@ -772,12 +777,13 @@ class NextQemu:
             # home, in another process): picked again, so brought back from the store.
             state = self._state_of()
             missing = self._hold(state)
-        if missing is not None:  # said before QEMU fails on it less clearly
-            what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
+        what = f"checkpoint {state.point[:12]}" if state.point else "its image's template"
+        qemu_build().check_board(state.board, what)  # said before QEMU fails on it less clearly
+        if missing is not None:
             raise NotFound(f"machine {m.name!r} cannot run from {what}: its file {missing} is gone")
         self._top = m.new_top()
         spec = m._spec(state.ram, incoming=True, disks=[*state.disks, self._top], vmgenid=self.vmgenid,
-                       configuration=has_configuration(state.devstate))
+                       configuration=has_configuration(state.devstate), board=state.board)
         self.run_dir.mkdir()
         return Launched(state, self._top, launch(spec, self.run_dir, log_dir=m.path))
 

@@ -30,7 +30,7 @@ from rewind.engine import diskchain, ramcache
 from rewind.engine.checkpoint import Caches, commit_capture
 from rewind.engine.migstream import PAGE_SIZE, SplitResult, StreamError
 from rewind.engine.pagecapture import WRITTEN_LIMIT
-from rewind.engine.qemu import process_alive, start_detached, wait_exit
+from rewind.engine.qemu import board_of, process_alive, start_detached, wait_exit
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.engine.snapshot import (
     CAPTURE_TIMEOUT,
@@ -98,10 +98,14 @@ class PendingCheckpoint:
     ram_over_point: str | None = None
 
     @property
+    def board(self) -> str:
+        return board_of(self.meta)
+
+    @property
     def state(self) -> SavedState:
         """What a new QEMU runs this point from (once wait_written returns)."""
         return SavedState(ram=Path(self.ram), devstate=Path(self.devstate),
-                          disks=[Path(d) for d in self.disks], point=self.id)
+                          disks=[Path(d) for d in self.disks], board=self.board, point=self.id)
 
     def overlay_state(self) -> SavedState | None:
         """What a new QEMU can run this point from before its image is filled: the file its
@@ -117,7 +121,7 @@ class PendingCheckpoint:
             return None
         pages = [(first, last) for first, last in self.ram_pages]
         return SavedState(ram=Path(self.ram_over), devstate=Path(self.devstate),
-                          disks=[Path(d) for d in self.disks], point=self.id,
+                          disks=[Path(d) for d in self.disks], board=self.board, point=self.id,
                           over=PageOverlay(Path(self.ram), pages, self.ram_over_point))
 
     def wait_written(self) -> SplitResult:

@@ -8,7 +8,9 @@ state saved from one QEMU loads into another.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,11 @@ from pathlib import Path
 from rewind.errors import RewindError
 
 QEMU_BINARY = "qemu-system-x86_64"
+# Another QEMU than the one on PATH, by the path of its qemu-system-x86_64: one unpacked beside
+# the system's (its firmware then comes from its own share/qemu).
+QEMU_ENV = "REWIND_QEMU"
+LEGACY_BOARD = "pc-q35-7.2"  # states saved before their board was recorded: all by QEMU 7.2
+BOARD_NAME = re.compile(r"pc-q35-\d{1,3}\.\d{1,3}")
 AGENT_PORTS = 4  # concurrent host sessions per machine
 AGENT_CHARDEV = "agent"  # QEMU chardev ids agent0..: query-chardev says whether the guest opened each
 KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda"
@@ -48,6 +55,75 @@ class QemuError(RewindError):
 
 
 @dataclass(frozen=True)
+class QemuBuild:
+    """The QEMU this host runs machines with."""
+
+    binary: str
+    version: tuple[int, int, int]
+    banner: str  # the first line of its --version
+    # The versioned board its plain `q35` stands for (pc-q35-10.0): a state saved by this QEMU
+    # is of that board, and loads only into a QEMU that has it, started with that name.
+    board: str
+    boards: frozenset[str]  # every versioned q35 board it can run
+    firmware: Path | None  # share/qemu beside a QEMU unpacked outside /usr (-L)
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+    def check_board(self, board: str, what: str) -> None:
+        """QemuError unless this QEMU can run `what`, a state saved from board `board`."""
+        if board not in self.boards:
+            raise QemuError(f"{what} was saved by a newer QEMU (board {board}); this host's QEMU "
+                            f"{self.version_text} runs {self.board} and older: run it where QEMU is "
+                            "that version or newer")
+
+
+def board_of(meta: dict) -> str:
+    """The board a point's meta names (LEGACY_BOARD where it names none); QemuError if it is not
+    a board name: it becomes a QEMU option."""
+    board = meta.get("board", LEGACY_BOARD)
+    if not isinstance(board, str) or not BOARD_NAME.fullmatch(board):
+        raise QemuError(f"a checkpoint names no QEMU board rewind runs: {str(board)[:40]!r}")
+    return board
+
+
+def qemu_binary() -> str:
+    return os.environ.get(QEMU_ENV) or QEMU_BINARY
+
+
+def qemu_build() -> QemuBuild:
+    """The QEMU in use: REWIND_QEMU's, else the one on PATH; QemuError if there is none."""
+    binary = shutil.which(qemu_binary())
+    if binary is None:
+        raise QemuError(f"{qemu_binary()} is not installed (apt-get install qemu-system-x86)")
+    return _build(binary, os.stat(binary).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _build(binary: str, _mtime: int) -> QemuBuild:
+    def ask(*args: str) -> str:
+        done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            raise QemuError(f"{binary} {' '.join(args)} failed: {done.stderr.strip() or done.returncode}")
+        return done.stdout
+
+    banner = ask("--version").splitlines()[0]
+    found = re.search(r"version (\d+)\.(\d+)\.(\d+)", banner)
+    if found is None:
+        raise QemuError(f"cannot read the version of {binary}: {banner!r}")
+    boards = ask("-machine", "help")
+    alias = re.search(r"^q35\s.*\(alias of (pc-q35-[\d.]+)\)", boards, re.MULTILINE)
+    versioned = frozenset(re.findall(r"^(pc-q35-[\d.]+)\s", boards, re.MULTILINE))
+    if alias is None:
+        raise QemuError(f"{binary} has no q35 board")
+    share = Path(binary).resolve().parent.parent / "share" / "qemu"
+    return QemuBuild(binary=binary, version=tuple(int(g) for g in found.groups()), banner=banner,  # type: ignore[arg-type]
+                     board=alias.group(1), boards=versioned,
+                     firmware=share if share.is_dir() and not binary.startswith("/usr/") else None)
+
+
+@dataclass(frozen=True)
 class VmSpec:
     """Everything QEMU needs to run one machine."""
 
@@ -71,9 +147,10 @@ class VmSpec:
     console_to_file: bool = False  # QEMU itself writes console.log, unbounded: only the template's boot
     runtime_disk: Path | None = None  # the guest agent and its own Python, attached read-only (image.build)
     kernel_cmdline: str = KERNEL_CMDLINE
+    board: str = "q35"  # a state to load names the versioned one it was saved from
 
 
-def qemu_argv(spec: VmSpec) -> list[str]:
+def qemu_argv(spec: VmSpec, build: QemuBuild) -> list[str]:
     accel = "kvm" if spec.accel == "kvm" else "tcg,thread=multi,tb-size=64"
     if spec.ram_file is None:
         ram = f"memory-backend-ram,id=ram0,size={spec.memory_mib}M"
@@ -81,8 +158,9 @@ def qemu_argv(spec: VmSpec) -> list[str]:
         ram = (f"memory-backend-file,id=ram0,size={spec.memory_mib}M,mem-path={spec.ram_file},"
                f"share={'on' if spec.ram_shared else 'off'}")
     argv = [
-        QEMU_BINARY, "-name", "rewind", "-nodefaults", "-no-user-config",
-        "-display", "none", "-machine", "q35,memory-backend=ram0", "-accel", accel, "-cpu", "max",
+        build.binary, "-name", "rewind", "-nodefaults", "-no-user-config",
+        *(["-L", str(build.firmware)] if build.firmware else []),
+        "-display", "none", "-machine", f"{spec.board},memory-backend=ram0", "-accel", accel, "-cpu", "max",
         "-m", f"{spec.memory_mib}M", "-smp", str(spec.cpus), "-object", ram,
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
@@ -172,12 +250,11 @@ def runtime_disk_args(path: Path | None) -> list[str]:
 def launch(spec: VmSpec, run_dir: Path, log_dir: Path | None = None) -> int:
     """Start QEMU daemonized in `run_dir` (its sockets and PID file), its log in `log_dir`
     (by default the same); returns its PID once its sockets exist."""
-    if shutil.which(QEMU_BINARY) is None:
-        raise QemuError(f"{QEMU_BINARY} is not installed (apt-get install qemu-system-x86)")
+    build = qemu_build()
     for name in (QMP_SOCKET, PID_FILE, CONSOLE_SOCKET, *(agent_socket(i) for i in range(AGENT_PORTS))):
         (run_dir / name).unlink(missing_ok=True)
     with open((log_dir or run_dir) / QEMU_LOG, "ab") as log:
-        done = subprocess.run(qemu_argv(spec), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
+        done = subprocess.run(qemu_argv(spec, build), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
                               stderr=subprocess.PIPE, timeout=60, check=False)
         log.write(done.stderr)
     if done.returncode != 0:

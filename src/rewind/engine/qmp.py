@@ -32,6 +32,7 @@ class Monitor:
         self._path = socket_path
         self._timeout = timeout
         self._qmp: QEMUMonitorProtocol | None = None
+        self.version: tuple[int, int, int] = (0, 0, 0)  # the QEMU's, from its greeting
 
     def __enter__(self) -> Monitor:
         from qemu.qmp import QMPError
@@ -44,10 +45,13 @@ class Monitor:
         sock.settimeout(None)
         self._qmp = QEMUMonitorProtocol(sock)
         try:
-            self._qmp.connect(negotiate=True)
+            greeting = self._qmp.connect(negotiate=True) or {}
         except (QMPError, OSError, EOFError) as e:
             self.close()
             raise MonitorError(f"QEMU's monitor did not answer: {e}") from e
+        with contextlib.suppress(KeyError, TypeError):
+            v = greeting["QMP"]["version"]["qemu"]
+            self.version = (int(v["major"]), int(v["minor"]), int(v["micro"]))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -48,6 +48,7 @@ POPULATE_SLICE = 16 << 20  # about 10 ms of QEMU's main loop each (see populate)
 # QEMU caps migration at 128 MiB/s by default (meant for live migration over a shared
 # network); a capture written to local tmpfs has no reason to wait for that.
 UNLIMITED_BANDWIDTH = {"max-bandwidth": 1 << 40}
+KEEPS_RUN_STATE = (9, 0, 0)  # QEMU from here leaves a guest stopped after a background snapshot
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SavedState:
     ram: Path  # raw memory image on tmpfs, mapped copy-on-write
     devstate: Path  # device state, loaded with x-ignore-shared
     disks: list[Path]  # the disk's frozen layers, base first
+    board: str  # the versioned QEMU board it was saved from (see qemu.QemuBuild)
     point: str | None = None  # the checkpoint it is (None: an image's booted template)
     over: PageOverlay | None = None  # pages loaded over `ram` with the device state
 
@@ -182,9 +184,30 @@ def capture(mon: Monitor, *, live: bool, top_node: str, new_top_file: Path, new_
             mon.wait_migration(CAPTURE_TIMEOUT)
         finally:
             mon.cmd("cont")  # also when the write-out failed: the machine survives it
+    elif mon.version >= KEEPS_RUN_STATE:
+        try:
+            _wait_tracking(devstate_out, done)
+        finally:
+            mon.cmd("cont")
     resume = mon.wait_event("RESUME", CAPTURE_TIMEOUT)
     return Capture(ram=ram_out, devstate=devstate_out, done=done,
                    pause_s=_event_time(resume) - _event_time(stop))
+
+
+def _wait_tracking(devstate_out: Path, done: Path) -> None:
+    """Wait until a background snapshot streams memory: its devices are saved and guest memory
+    write-protected by then, so the guest may run. QEMU 7.2 restarted the guest itself at that
+    point; from 9.0 it restores the run state it found (vm_resume of the state before the
+    snapshot), and a guest we stopped stays stopped: no RESUME ever came (seen on 10.0.2)."""
+    front, deadline, poll = front_file(devstate_out), time.monotonic() + CAPTURE_TIMEOUT, 0.0005
+    while not done.exists():
+        with contextlib.suppress(FileNotFoundError):
+            if front.stat().st_size > 0:  # the splitter has the first pages
+                return
+        if time.monotonic() > deadline:
+            raise StreamError(f"no memory came from QEMU within {CAPTURE_TIMEOUT:.0f} s")
+        time.sleep(poll)
+        poll = min(poll * 2, 0.005)
 
 
 def _capture_by_pages(mon: Monitor, memory: MappedMemory, *, live: bool, top_node: str,

@@ -27,7 +27,16 @@ from pathlib import Path
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import file_lock
 from rewind.engine.memfiles import on_tmpfs
-from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch, process_alive, wait_exit
+from rewind.engine.qemu import (
+    QMP_SOCKET,
+    VmSpec,
+    agent_socket,
+    kill,
+    launch,
+    process_alive,
+    qemu_build,
+    wait_exit,
+)
 from rewind.engine.qmp import Monitor
 from rewind.engine.snapshot import SavedState
 from rewind.errors import ImageError, MachineDied
@@ -44,6 +53,7 @@ class Template:
     accel: str
     memory_mib: int
     cpus: int
+    board: str  # the versioned board of the QEMU that saved it: templates are per QEMU
 
     @property
     def ram(self) -> Path:
@@ -59,14 +69,16 @@ class Template:
 
 
 
-def template_dir(image: Image, accel: str, memory_mib: int, cpus: int) -> Path:
-    return image.path / "templates" / f"{accel}-{memory_mib}m-{cpus}c-v{TEMPLATE_VERSION}"
+def template_dir(image: Image, accel: str, memory_mib: int, cpus: int, board: str) -> Path:
+    return image.path / "templates" / f"{accel}-{memory_mib}m-{cpus}c-v{TEMPLATE_VERSION}-{board}"
 
 
 def find_template(image: Image, accel: str, memory_mib: int, cpus: int) -> Template | None:
-    path = template_dir(image, accel, memory_mib, cpus)
+    """The template the QEMU in use saved for these settings, if it did."""
+    board = qemu_build().board
+    path = template_dir(image, accel, memory_mib, cpus, board)
     if (path / "template.json").is_file():
-        return Template(path, accel, memory_mib, cpus)
+        return Template(path, accel, memory_mib, cpus, board)
     return None
 
 
@@ -76,7 +88,8 @@ def ensure_template(image: Image, accel: str, memory_mib: int, cpus: int,
     found = find_template(image, accel, memory_mib, cpus)
     if found:
         return found
-    final = template_dir(image, accel, memory_mib, cpus)
+    board = qemu_build().board
+    final = template_dir(image, accel, memory_mib, cpus, board)
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(final.parent / ".lock", timeout=BOOT_TIMEOUT * 2, what="the template store"):
         found = find_template(image, accel, memory_mib, cpus)
@@ -85,11 +98,11 @@ def ensure_template(image: Image, accel: str, memory_mib: int, cpus: int,
         report(f"booting a {memory_mib} MiB, {cpus}-vCPU guest once to save it running ({accel})")
         staging = Path(tempfile.mkdtemp(prefix=".new-", dir=final.parent))
         try:
-            _boot_and_save(image, accel, memory_mib, cpus, staging)
+            _boot_and_save(Template(staging, accel, memory_mib, cpus, board), image)
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return Template(final, accel, memory_mib, cpus)
+    return Template(final, accel, memory_mib, cpus, board)
 
 
 def template_state(template: Template, runtime: Path, image: Image) -> SavedState:
@@ -97,7 +110,8 @@ def template_state(template: Template, runtime: Path, image: Image) -> SavedStat
     ram = on_tmpfs(runtime, f"template-{image.id}-{template.path.name}.ram", template.ram)
     # The image's root disk is named as a layer too, so checkpoints carry it (they are then
     # complete on a host that never built this image).
-    return SavedState(ram=ram, devstate=template.devstate, disks=[image.disk, template.disk])
+    return SavedState(ram=ram, devstate=template.devstate, disks=[image.disk, template.disk],
+                      board=template.board)
 
 
 def _warm_up(agent: AgentClient) -> None:
@@ -113,15 +127,15 @@ def _warm_up(agent: AgentClient) -> None:
     agent.exec(["rm", "-f", "/tmp/.rewind-warm-up"])
 
 
-def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Path) -> None:
-    tmpl = Template(out, accel, memory_mib, cpus)
+def _boot_and_save(tmpl: Template, image: Image) -> None:
+    out, accel, memory_mib, cpus = tmpl.path, tmpl.accel, tmpl.memory_mib, tmpl.cpus
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
                     str(image.disk.resolve()), str(tmpl.disk)], check=True, capture_output=True)
     tag = str(uuid.uuid4())
     spec = VmSpec(tag=tag, memory_mib=memory_mib, cpus=cpus, accel=accel, kernel=image.kernel,
                   initrd=image.initrd, disks=[(0, tmpl.disk)], ram_file=tmpl.ram, ram_shared=True,
                   mac=TEMPLATE_MAC, vmgenid=str(uuid.uuid4()), console_to_file=True,
-                  runtime_disk=image.runtime_disk)
+                  runtime_disk=image.runtime_disk, board=tmpl.board)
     pid = launch(spec, out)
     try:
         def alive() -> None:
@@ -148,5 +162,5 @@ def _boot_and_save(image: Image, accel: str, memory_mib: int, cpus: int, out: Pa
     for leftover in out.glob("*.sock"):
         leftover.unlink()
     (out / "template.json").write_text(json.dumps(
-        {"accel": accel, "memory_mib": memory_mib, "cpus": cpus, "image": image.id,
+        {"accel": accel, "memory_mib": memory_mib, "cpus": cpus, "image": image.id, "board": tmpl.board,
          "boot_seconds": round(boot_seconds, 2), "created": time.time()}, indent=2))

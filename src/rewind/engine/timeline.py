@@ -35,7 +35,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
 from rewind.engine.pending import PendingCheckpoint
-from rewind.engine.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node
+from rewind.engine.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node
 from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
 from rewind.store import new_checkpoint_id
@@ -77,6 +77,7 @@ class PointMeta:
     exec: dict = field(default_factory=dict)
     image_base: str | None = None
     image_digest: str | None = None
+    board: str = LEGACY_BOARD  # the versioned QEMU board it was saved from
 
     @classmethod
     def of_record(cls, r: MachineRecord, pause_s: float | None, context: str | None,
@@ -85,7 +86,7 @@ class PointMeta:
                    disk_size_mib=r.disk_size_mib, hostname=r.hostname, machine_id=r.machine_id, mac=r.mac,
                    network=r.network, pause_s=pause_s, context=context, guest=guest,
                    machine_labels=dict(r.labels), exec=dict(r.exec), image_base=r.image_base,
-                   image_digest=r.image_digest)
+                   image_digest=r.image_digest, board=r.board)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -123,7 +124,8 @@ class PointMeta:
                    imported=meta.get("imported") is True, guest=guest if isinstance(guest, dict) else None,
                    machine_labels=labels if isinstance(labels, dict) else None,
                    exec=ExecDefaults.from_json(meta.get("exec")).to_json() if meta.get("exec") else {},
-                   image_base=text("image_base") or None, image_digest=text("image_digest") or None)
+                   image_base=text("image_base") or None, image_digest=text("image_digest") or None,
+                   board=board_of(meta))
 
     def rules(self) -> NetworkRules:
         """The network rules a new machine from this point starts with, unless its caller gives
