@@ -1139,7 +1139,7 @@ def doctor(as_json: bool) -> None:
     report: dict[str, Any] = {"home": str(engine.home.root), "images": str(engine.home.images)}
     try:
         build = qemu_build()
-        report.update(qemu=build.version_text, qemu_binary=build.binary, qemu_board=build.machine)
+        report.update(qemu=build.version_text, qemu_binary=build.binary, qemu_board=build.board)
     except QemuError as e:
         report.update(qemu=None, qemu_problem=str(e))
     report["image_recipe"] = recipe_id()

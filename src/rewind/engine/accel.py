@@ -9,6 +9,7 @@ overrides it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,12 +53,14 @@ def choose_accel(cache_dir: Path, image: Image | None) -> AccelChoice:
         return AccelChoice(forced, "set by REWIND_ACCEL", "REWIND_ACCEL")
     cache = cache_dir / "accel.json"
     key = _host_key()
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("host") == key:
+    try:  # a verdict per host and QEMU: a host may run two QEMUs (REWIND_QEMU)
+        verdicts = json.loads(cache.read_text())["verdicts"]
+        verdicts = verdicts if isinstance(verdicts, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        verdicts = {}
+    if isinstance(cached := verdicts.get(key), dict):
+        with contextlib.suppress(KeyError):
             return AccelChoice(cached["accel"], cached["reason"], "cache")
-    except (OSError, ValueError, KeyError):
-        pass
     if image is None or not image.probe_initrd.is_file():
         log.warning("using TCG: no probe image to test KVM with (run `rewind image build`)")
         return AccelChoice("tcg", "no probe image to test KVM with", "default")
@@ -65,7 +68,8 @@ def choose_accel(cache_dir: Path, image: Image | None) -> AccelChoice:
     if accel == "tcg":
         log.warning("using TCG (software emulation, slower): %s", reason)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    replace_durably(cache, json.dumps({"host": key, **asdict(AccelChoice(accel, reason, "probe"))}).encode())
+    verdicts[key] = asdict(AccelChoice(accel, reason, "probe"))
+    replace_durably(cache, json.dumps({"verdicts": verdicts}).encode())
     return AccelChoice(accel, reason, "probe")
 
 
@@ -73,11 +77,12 @@ def probe_kvm(kernel: Path, probe_initrd: Path) -> tuple[str, str]:
     """("kvm", why) if a guest really boots under KVM in time, else ("tcg", why)."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return "tcg", "/dev/kvm is not available"
-    argv = [qemu_build().binary, "-nodefaults", "-no-user-config", "-display", "none", "-machine", "q35",
+    build = qemu_build()
+    argv = [build.binary, "-nodefaults", "-no-user-config", "-display", "none", "-machine", "q35",
             "-accel", "kvm", "-cpu", "max", "-m", "128M", "-kernel", str(kernel), "-initrd",
             str(probe_initrd), "-append", "console=ttyS0 quiet panic=-1", "-serial", "stdio",
             "-no-reboot"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, env=build.environ(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=PROBE_TIMEOUT)

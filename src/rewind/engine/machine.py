@@ -535,7 +535,7 @@ class Machine:
         report(f"booting {self.name} from its disk")
         spec = self._spec(None, incoming=False, disks=[Path(d) for d in self.record.disks],
                           vmgenid=self.record.vmgenid)
-        self.record.board = qemu_build().machine  # what plain q35 is: its captures are of that
+        self.record.board = qemu_build().board  # what plain q35 is: its captures are of that
         with self._launching(lambda: launch(spec, self.path)):
             self.apply_identity(self.path, self._check_starting, connect_timeout=BOOT_TIMEOUT)
 

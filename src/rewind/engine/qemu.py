@@ -8,8 +8,10 @@ state saved from one QEMU loads into another.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import platform
 import re
 import shutil
 import signal
@@ -26,6 +28,7 @@ QEMU_BINARY = "qemu-system-x86_64"
 # the system's (its firmware then comes from its own share/qemu).
 QEMU_ENV = "REWIND_QEMU"
 LEGACY_BOARD = "pc-q35-7.2"  # states saved before their board was recorded: all by QEMU 7.2
+FIRMWARE_DIRS = ("share/qemu", "share/seabios", "lib/ipxe/qemu")  # Debian's, under a QEMU's prefix
 BOARD_NAME = re.compile(r"pc-q35-\d{1,3}\.\d{1,3}")
 AGENT_PORTS = 4  # concurrent host sessions per machine
 AGENT_CHARDEV = "agent"  # QEMU chardev ids agent0..: query-chardev says whether the guest opened each
@@ -65,7 +68,16 @@ class QemuBuild:
     # is of that board, and loads only into a QEMU that has it, started with that name.
     board: str
     boards: frozenset[str]  # every versioned q35 board it can run
-    firmware: Path | None  # share/qemu beside a QEMU unpacked outside /usr (-L)
+    # A QEMU unpacked outside /usr: where its firmware is (-L: then only there) and its modules
+    # (such as TCG itself).
+    firmware: tuple[Path, ...] = ()
+    modules: Path | None = None
+
+    def environ(self) -> dict[str, str]:
+        """The environment to start it in."""
+        if self.modules is None:
+            return dict(os.environ)
+        return {**os.environ, "QEMU_MODULE_DIR": str(self.modules)}
 
     @property
     def version_text(self) -> str:
@@ -117,10 +129,13 @@ def _build(binary: str, _mtime: int) -> QemuBuild:
     versioned = frozenset(re.findall(r"^(pc-q35-[\d.]+)\s", boards, re.MULTILINE))
     if alias is None:
         raise QemuError(f"{binary} has no q35 board")
-    share = Path(binary).resolve().parent.parent / "share" / "qemu"
-    return QemuBuild(binary=binary, version=tuple(int(g) for g in found.groups()), banner=banner,  # type: ignore[arg-type]
-                     board=alias.group(1), boards=versioned,
-                     firmware=share if share.is_dir() and not binary.startswith("/usr/") else None)
+    build = QemuBuild(binary=binary, version=tuple(int(g) for g in found.groups()), banner=banner,  # type: ignore[arg-type]
+                      board=alias.group(1), boards=versioned)
+    prefix = Path(binary).resolve().parent.parent
+    if prefix == Path("/usr"):
+        return build
+    return dataclasses.replace(build, firmware=tuple(prefix / d for d in FIRMWARE_DIRS),
+                               modules=prefix / f"lib/{platform.machine()}-linux-gnu/qemu")
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,7 @@ def qemu_argv(spec: VmSpec, build: QemuBuild) -> list[str]:
                f"share={'on' if spec.ram_shared else 'off'}")
     argv = [
         build.binary, "-name", "rewind", "-nodefaults", "-no-user-config",
-        *(["-L", str(build.firmware)] if build.firmware else []),
+        *(arg for d in build.firmware for arg in ("-L", str(d))),
         "-display", "none", "-machine", f"{spec.board},memory-backend=ram0", "-accel", accel, "-cpu", "max",
         "-m", f"{spec.memory_mib}M", "-smp", str(spec.cpus), "-object", ram,
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
@@ -254,7 +269,8 @@ def launch(spec: VmSpec, run_dir: Path, log_dir: Path | None = None) -> int:
     for name in (QMP_SOCKET, PID_FILE, CONSOLE_SOCKET, *(agent_socket(i) for i in range(AGENT_PORTS))):
         (run_dir / name).unlink(missing_ok=True)
     with open((log_dir or run_dir) / QEMU_LOG, "ab") as log:
-        done = subprocess.run(qemu_argv(spec, build), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log,
+        done = subprocess.run(qemu_argv(spec, build), cwd=run_dir, env=build.environ(),
+                              stdin=subprocess.DEVNULL, stdout=log,
                               stderr=subprocess.PIPE, timeout=60, check=False)
         log.write(done.stderr)
     if done.returncode != 0:

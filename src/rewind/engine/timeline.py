@@ -35,7 +35,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
 from rewind.engine.pending import PendingCheckpoint
-from rewind.engine.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node
+from rewind.engine.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node, qemu_build
 from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
 from rewind.store import new_checkpoint_id
@@ -337,6 +337,7 @@ def restore(machine: Machine, store: Store, ref: str) -> Point:
         raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
     target = machine.engine.find_point(store, ref, machine.record.parent if ref.startswith("~") else None)
     meta = PointMeta.from_json(target.point.id, target.point.meta)
+    qemu_build().check_board(meta.board, f"checkpoint {target.point.id[:12]}")  # before it is left
     if (meta.memory_mib, meta.cpus) != (machine.record.memory_mib, machine.record.cpus):
         raise InvalidArgument(f"checkpoint {target.point.id[:12]} is of a {meta.memory_mib} MiB, "
                               f"{meta.cpus}-vCPU machine; restore it as a new machine")
@@ -465,6 +466,7 @@ def _run_point(engine: Engine, name: str | None, point_id: str, machine: str, me
                state_of: Callable[[], SavedState], labels: dict[str, str] | None,
                network: NetworkRules | None, **extra: str) -> Machine:
     """A new machine running a saved point of `machine`."""
+    qemu_build().check_board(meta.board, f"checkpoint {point_id[:12]}")
     image = engine.point_image(meta.image_id, meta.image_base)
     if image.id != meta.image_id:
         extra = {**extra, "image": meta.image_id}  # not on this host: run on its base
