@@ -153,3 +153,36 @@ def test_a_page_sent_twice_is_counted(tmp_path: Path) -> None:
     os.close(ram)
     assert result.pages_resent == 2
     assert (tmp_path / "ram").read_bytes() == image
+
+
+def test_a_command_between_ram_sections_is_kept_and_the_pages_after_it_split(tmp_path: Path) -> None:
+    """QEMU 10's plain migration sends a command (switchover start) before RAM's last part;
+    read as the end of RAM, the pages after it went into the device state."""
+    page = 4096
+    image = b"".join(bytes([n + 1]) * page for n in range(8))
+    name = b"\x04ram0"
+    footer = struct.pack(">BI", migstream.SECTION_FOOTER, 5)
+
+    def part(kind: int, first: int, last: int) -> bytes:
+        def record(n: int) -> bytes:  # the first page of a part names its block, the others continue
+            flags = migstream.FLAG_PAGE | (migstream.FLAG_CONTINUE if n > first else 0)
+            data = image[n * page:(n + 1) * page]
+            return struct.pack(">Q", n * page | flags) + (b"" if n > first else name) + data
+        pages = b"".join(record(n) for n in range(first, last))
+        return struct.pack(">BI", kind, 5) + pages + struct.pack(">Q", migstream.FLAG_EOS) + footer
+
+    command = struct.pack(">BHH", migstream.SECTION_COMMAND, 11, 2) + b"ok"
+    devices = b"\x04devices\x1f"
+    stream = b"".join([
+        struct.pack(">II", FILE_MAGIC, FILE_VERSION),
+        struct.pack(">BI", migstream.SECTION_START, 5), b"\x03ram", struct.pack(">II", 0, 4),
+        struct.pack(">Q", len(image) | migstream.FLAG_MEM_SIZE), name, struct.pack(">QQ", len(image), 0),
+        struct.pack(">Q", migstream.FLAG_EOS), footer,
+        part(migstream.SECTION_PART, 0, 5), command, part(migstream.SECTION_END, 5, 8), devices])
+    ram = os.open(tmp_path / "ram", os.O_RDWR | os.O_CREAT, 0o600)
+    with BytesIO(stream) as src, open(tmp_path / "devstate", "wb") as dst:
+        result = split_stream(src, "ram0", ram, dst)
+    os.close(ram)
+    assert (tmp_path / "ram").read_bytes() == image and result.pages_written == 8
+    kept = (tmp_path / "devstate").read_bytes()
+    assert command in kept and kept.endswith(footer + devices) and image[5 * page:6 * page] not in kept

@@ -11,10 +11,11 @@ state QEMU appends after RAM) is kept. A new QEMU then maps the raw file
 copy-on-write as its RAM and loads the small stream with `x-ignore-shared`,
 which makes it expect the main block's pages from the file instead.
 
-Format handled: QEMU 7.2 precopy without multifd, compression or xbzrle (what
-rewind enables), file version 3, with section footers. Background snapshots
+Format handled: QEMU 7.2 and 10.0 precopy without multifd, compression or xbzrle
+(what rewind enables), file version 3, with section footers. Background snapshots
 write the device state (saved at the pause) after all RAM, so once the RAM
-sections end the rest is copied through unparsed.
+sections end the rest is copied through unparsed. A plain migration on QEMU 10
+sends a command (switchover start) before RAM's last part; it is kept in place.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ FILE_MAGIC = 0x5145564D
 FILE_VERSION = 3
 SECTION_START, SECTION_PART, SECTION_END = 0x01, 0x02, 0x03
 SECTION_CONFIGURATION = 0x07
+SECTION_COMMAND = 0x08
 SECTION_FOOTER = 0x7E
 
 FLAG_ZERO = 0x02
@@ -353,6 +355,9 @@ def split_stream(src: BinaryIO | PipeSource, ram_block: str, ram_out: int,
                 break
         if r.peek_u8() == SECTION_FOOTER:
             put(r.read(5))
+        while r.peek_u8() == SECTION_COMMAND:  # QEMU 10's switchover start, before RAM's last part
+            command = r.read(5)  # type, command (be16), length (be16), then its data
+            put(command + r.read(struct.unpack(">H", command[3:])[0]))
         if section_type == SECTION_END or r.peek_u8() not in (SECTION_PART, SECTION_END):
             break  # a background snapshot goes from its last RAM part straight to the devices
         section_type = r.u8()
