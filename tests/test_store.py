@@ -796,7 +796,7 @@ def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:
     caches = Caches.of(tmp_path / "home", tmp_path / "runtime")
     (tmp_path / "ram").write_bytes(os.urandom(128 << 10))
     (tmp_path / "devstate").write_bytes(b"devices")
-    state = SavedState(ram=tmp_path / "ram", devstate=tmp_path / "devstate", disks=[])
+    state = SavedState(ram=tmp_path / "ram", devstate=tmp_path / "devstate", disks=[], board="pc-q35-10.0")
     point_id = "0123456789abcdef0123456789abcdef"
     first = commit_capture(store, caches, point_id, state, machine="m", parent=None, name="p", labels=None,
                            meta={})
