@@ -27,6 +27,9 @@ EXPECTED = {
     "diff_live_1mib_s", "own_image_build_s", "own_image_first_start_s", "own_image_start_s",
     "own_image_store_mib",
 }
+WORK_STEPS = ("python_start", "cpu", "file_write", "spawn", "grep", "tar", "git", "sqlite", "pip", "pytest")
+WORK = {f"work_{step}_x" for step in WORK_STEPS} | {"work_median_x"}
+EXPECTED |= WORK
 
 
 def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
@@ -51,5 +54,35 @@ def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
     assert not [k for k in metrics if k.startswith("s3_")]  # the bucket is not measured quickly
     assert [p["touched_mib"] for p in report["curve"]["rewind"]] == [64, 128]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(Path(tempfile.gettempdir()).glob("rewind-bench-*")), "the benchmark left files behind"
+    assert not processes_naming("/rewind-bench-"), "the benchmark left processes behind"
+
+
+def test_work_bench_times_every_step(home: Home, tmp_path: Path) -> None:
+    out = tmp_path / "work.json"
+    # One repeat: the quick run's two would double the minute and a half its machine takes.
+    done = rewind_cli("bench", "--work", "--quick", "--rounds", "1", "--json", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    text = done.stdout.decode()
+    assert "rewind bench --work (quick" in text and "median of the steps" in text
+    assert "rewind bench (quick" not in text  # the work section alone
+
+    report = json.loads(out.read_text())
+    metrics = {m["key"]: m for m in report["metrics"]}
+    assert set(metrics) == WORK
+    for step in WORK_STEPS:
+        m = metrics[f"work_{step}_x"]
+        seconds, host = m["seconds"], m["seconds"]["host"]
+        assert host and seconds["rewind"] and all(s > 0 for s in host + seconds["rewind"]), m
+        assert m["samples"] == [ours / h for ours, h in zip(seconds["rewind"], host, strict=True)]
+        gvisor = m["peers"]["gVisor"]  # its ratios, or why it has none
+        assert (isinstance(gvisor, list) and len(gvisor) == len(seconds["gVisor"])) or \
+            (isinstance(gvisor, str) and gvisor), m
+    median = metrics["work_median_x"]
+    assert len(median["samples"]) == len(WORK_STEPS) and median["target"] == 6.0
+    assert median["met"] in (True, False)
+    assert metrics["work_spawn_x"]["target"] == 5.0
+    assert report["peers"]["gVisor"]
+    assert not out.with_suffix(".png").exists()  # no checkpoint curve to draw
     assert not list(Path(tempfile.gettempdir()).glob("rewind-bench-*")), "the benchmark left files behind"
     assert not processes_naming("/rewind-bench-"), "the benchmark left processes behind"

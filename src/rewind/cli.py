@@ -426,29 +426,37 @@ def port(name: str, guest_port: int | None, host_port: int | None, host: str, re
 @cli.command()
 @click.option("--quick", is_flag=True, help="Fewer rounds and smaller series (a few minutes).")
 @click.option("--rounds", type=click.IntRange(min=1), default=None,
-              help="Rounds per figure (default 5; 2 with --quick).")
+              help="Rounds per figure (default 5; with --quick 1, or 2 with --work).")
+@click.option("--work", is_flag=True,
+              help="Only the work an agent's steps do (Python, files, spawns, grep, tar, git, sqlite, pip, "
+                   "pytest), timed on this host, in a machine and in gVisor, as ratios to the host.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write every raw sample and the machine's description to this file.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
-              help="PNG of checkpoint cost against memory in use (default: the --json file's name, .png).")
+              help="PNG of checkpoint cost against memory in use (default: the --json file's name, .png; "
+                   "none with --work).")
 @click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
-              help="Also write the table in Markdown to this file.")
-def bench(quick: bool, rounds: int | None, json_path: str | None, plot_path: str | None,
+              help="Also write the tables in Markdown to this file.")
+def bench(quick: bool, rounds: int | None, work: bool, json_path: str | None, plot_path: str | None,
           markdown_path: str | None) -> None:
-    """Measure what each step costs, beside plain QEMU and gVisor, and print one table."""
+    """Measure what each step costs, beside plain QEMU and gVisor, and print the tables."""
     from rich.console import Console
 
-    from rewind.bench import output, run
+    from rewind.bench import output, run, run_work
 
-    plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path else None)
+    if work and plot_path:
+        raise InvalidArgument("--plot draws the checkpoint curve, which --work does not measure")
+    plot = plot_path or (str(Path(json_path).with_suffix(".png")) if json_path and not work else None)
     for path in (json_path, plot, markdown_path):  # fail now, not after minutes of measuring
         if path and not Path(path).resolve().parent.is_dir():
             raise InvalidArgument(f"cannot write {path}: its folder does not exist")
     if plot:
         output.check_plotting()
     with progress(True) as report:
-        result = run(quick=quick, rounds=rounds, progress=report)
-    Console(width=200).print(output.table(result))
+        result = (run_work if work else run)(quick=quick, rounds=rounds, progress=report)
+    console = Console(width=200)
+    for table in output.tables(result):
+        console.print(table)
     if json_path:
         output.write_json(result, Path(json_path))
     if markdown_path:

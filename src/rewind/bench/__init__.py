@@ -4,15 +4,17 @@ compare the ratios of one run rather than absolute times across runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from rewind.bench import diffs, faces, loop, ours, world
+from rewind.bench import diffs, faces, loop, ours, work, world
 from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import PEERS, run_peers
@@ -21,9 +23,10 @@ from rewind.engine.machine import Engine
 from rewind.engine.qemu import qemu_build
 from rewind.home import Home
 
-__all__ = ["Metric", "Report", "run"]
+__all__ = ["Metric", "Report", "run", "run_work"]
 
 LOOP_ROUNDS = 20
+QUICK_PEERS = "not run: --quick measures rewind alone"
 
 
 def describe_host(home: Home) -> dict[str, str]:
@@ -52,10 +55,11 @@ def _store_in_a_bucket(tmp: Path, images: Path, report: Report, rounds: int, pro
         progress(f"store in a bucket: skipped ({e})")
 
 
-def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = lambda _: None,
-        images: Path | None = None) -> Report:
-    """Measure everything in a scratch home that shares the built image; nothing is left behind."""
-    rounds = rounds or (1 if quick else 5)
+@contextlib.contextmanager
+def _scratch(images: Path | None, quick: bool, rounds: int,
+             progress: Progress) -> Iterator[tuple[Home, Report]]:
+    """A scratch home sharing the built image, with its template saved, and an empty report
+    timed from here; nothing of the home is left behind."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rewind-bench-") as tmp:
         home = Home(root=Path(tmp), images=images or Home.from_env().images)
@@ -63,27 +67,46 @@ def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = 
         try:
             progress("saving the booted template (not measured)")
             Engine(home).template(DEFAULT_MEMORY_MIB, DEFAULT_CPUS)
-            ours.machines_and_exec(home, report, rounds, progress)
-            faces.run_faces(home, report, rounds, quick, progress)
-            bench = ours.checkpoints(home, report, rounds, quick, progress)
-            ours.guard(bench, report, quick, progress)
-            diffs.flush_cost(bench, report, rounds, progress)
-            diffs.diff_times(bench, report, rounds, progress, quick)
-            bench.delete()  # the loop's figures are of one machine alone
-            loop.agent_loop(home, report, 2 if quick else LOOP_ROUNDS, progress)
-            big, touched = ours.curve_machine(home, quick)
-            ours.memory_curve(big, touched, report, progress)
-            if quick:  # the peers take half a minute and measure nothing of ours
-                report.peers = dict.fromkeys(PEERS, "not run: --quick measures rewind alone")
-            else:
-                run_peers(big, report, touched, rounds, progress)
-            big.delete()
-            world.own_image(home, report, quick, progress)
-            if quick:  # a minute of uploads; tests/test_s3_store.py covers what they exercise
-                progress("store in a bucket: not run with --quick")
-            else:
-                _store_in_a_bucket(Path(tmp) / "s3", home.images, report, 3, progress)
+            yield home, report
         finally:
             ours.close_home(home)
     report.seconds = time.monotonic() - started
+
+
+def run(*, quick: bool = False, rounds: int | None = None, progress: Progress = lambda _: None,
+        images: Path | None = None) -> Report:
+    """Measure everything in a scratch home that shares the built image; nothing is left behind."""
+    rounds = rounds or (1 if quick else 5)
+    with _scratch(images, quick, rounds, progress) as (home, report):
+        tmp = home.root
+        ours.machines_and_exec(home, report, rounds, progress)
+        faces.run_faces(home, report, rounds, quick, progress)
+        bench = ours.checkpoints(home, report, rounds, quick, progress)
+        ours.guard(bench, report, quick, progress)
+        diffs.flush_cost(bench, report, rounds, progress)
+        diffs.diff_times(bench, report, rounds, progress, quick)
+        bench.delete()  # the loop's figures are of one machine alone
+        loop.agent_loop(home, report, 2 if quick else LOOP_ROUNDS, progress)
+        big, touched = ours.curve_machine(home, quick)
+        ours.memory_curve(big, touched, report, progress)
+        if quick:  # the peers take half a minute and measure nothing of ours
+            report.peers = dict.fromkeys(PEERS, QUICK_PEERS)
+        else:
+            run_peers(big, report, touched, rounds, progress)
+        big.delete()
+        world.own_image(home, report, quick, progress)
+        work.work(home, report, quick, rounds, progress, gvisor=QUICK_PEERS if quick else None)
+        if quick:  # a minute of uploads; tests/test_s3_store.py covers what they exercise
+            progress("store in a bucket: not run with --quick")
+        else:
+            _store_in_a_bucket(tmp / "s3", home.images, report, 3, progress)
+    return report
+
+
+def run_work(*, quick: bool = False, rounds: int | None = None, progress: Progress = lambda _: None,
+             images: Path | None = None) -> Report:
+    """The work section alone (bench/work.py), gVisor included even with `quick`."""
+    rounds = rounds or (2 if quick else 5)
+    with _scratch(images, quick, rounds, progress) as (home, report):
+        work.work(home, report, quick, rounds, progress)
     return report

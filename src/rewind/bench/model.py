@@ -18,6 +18,8 @@ class Metric:
     samples: list[float] = field(default_factory=list)
     target: float | None = None  # met when the median is below it
     peers: dict[str, list[float] | str] = field(default_factory=dict)
+    # A ratio's raw times: environment -> seconds of each repeat (bench/work.py)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def median(self) -> float | None:
@@ -55,7 +57,8 @@ class Report:
             "machine": self.machine, "quick": self.quick, "rounds": self.rounds,
             "seconds": round(self.seconds, 1),
             "peers": self.peers,
-            "metrics": [{**asdict(m), "median": m.median, "met": m.met} for m in self.metrics],
+            "metrics": [{**{k: v for k, v in asdict(m).items() if k != "seconds" or v},
+                         "median": m.median, "met": m.met} for m in self.metrics],
             "curve": {engine: [{"touched_mib": mib, "checkpoint_s": s} for mib, s in points]
                       for engine, points in self.curve.items()},
         }

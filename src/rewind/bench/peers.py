@@ -114,23 +114,32 @@ class GVisor:
     def __init__(self) -> None:
         if shutil.which("runsc") is None:
             raise PeerUnavailable("runsc is not installed (apt-get install runsc)")
-        if not BUSYBOX.is_file():
-            raise PeerUnavailable("busybox is needed for its container (apt-get install busybox-static)")
         self.work = Path(tempfile.mkdtemp(prefix="rewind-bench-gvisor-"))
         self.root = self.work / "state"
         self.bundle = self.work / "bundle"
+        self.container: str | None = None
+        try:
+            self.bundle.mkdir()
+            self._runsc("spec", cwd=self.bundle)
+            spec = json.loads((self.bundle / "config.json").read_text())
+            spec["process"].update(args=["/bin/sleep", "1000000"], terminal=False)
+            self.make_root(spec)
+            (self.bundle / "config.json").write_text(json.dumps(spec))
+        except BaseException:
+            self.close()
+            raise
+
+    def make_root(self, spec: dict) -> None:
+        """The container's root: busybox alone, in the bundle (written to memory, under --overlay)."""
+        if not BUSYBOX.is_file():
+            raise PeerUnavailable("busybox is needed for its container (apt-get install busybox-static)")
         rootfs = self.bundle / "rootfs"
         (rootfs / "bin").mkdir(parents=True)
         (rootfs / "tmp").mkdir()
         shutil.copy(BUSYBOX, rootfs / "bin" / "busybox")
         for tool in ("sh", "sleep", "true", "head", "wc"):
             (rootfs / "bin" / tool).symlink_to("busybox")
-        self._runsc("spec", cwd=self.bundle)
-        spec = json.loads((self.bundle / "config.json").read_text())
-        spec["process"].update(args=["/bin/sleep", "1000000"], terminal=False)
         spec["root"] = {"path": "rootfs", "readonly": False}
-        (self.bundle / "config.json").write_text(json.dumps(spec))
-        self.container: str | None = None
 
     def _runsc(self, *args: str, cwd: Path | None = None, timeout: float = 300) -> str:
         # runsc must not have pipes for stdout/stderr when it detaches (it waits on them): use files.
