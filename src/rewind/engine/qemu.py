@@ -27,6 +27,11 @@ QEMU_BINARY = "qemu-system-x86_64"
 # Another QEMU than the one on PATH, by the path of its qemu-system-x86_64: one unpacked beside
 # the system's (its firmware then comes from its own share/qemu).
 QEMU_ENV = "REWIND_QEMU"
+# TCG's cache of translated code, per QEMU. 64 MiB filled within a few agent steps (python, git,
+# pytest) and each time it filled everything was translated again; at 256 the work benchmark's
+# median went from 14.8x the host's time to 11.9x (sqlite 20x to 11x), no better at 512 or 1024
+# (docs/performance.md). Only what is translated is resident: an idle machine costs no more.
+TRANSLATION_CACHE_MIB = 256
 LEGACY_BOARD = "pc-q35-7.2"  # states saved before their board was recorded: all by QEMU 7.2
 FIRMWARE_DIRS = ("share/qemu", "share/seabios", "lib/ipxe/qemu")  # Debian's, under a QEMU's prefix
 BOARD_NAME = re.compile(r"pc-q35-\d{1,3}\.\d{1,3}")
@@ -166,7 +171,7 @@ class VmSpec:
 
 
 def qemu_argv(spec: VmSpec, build: QemuBuild) -> list[str]:
-    accel = "kvm" if spec.accel == "kvm" else "tcg,thread=multi,tb-size=64"
+    accel = "kvm" if spec.accel == "kvm" else f"tcg,thread=multi,tb-size={TRANSLATION_CACHE_MIB}"
     if spec.ram_file is None:
         ram = f"memory-backend-ram,id=ram0,size={spec.memory_mib}M"
     else:
