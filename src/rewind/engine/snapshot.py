@@ -332,10 +332,21 @@ def _populated_marker(state_dir: Path) -> Path:
     return state_dir / "populated"  # holds the PID of the QEMU whose memory was read
 
 
+def populates_itself(qemu: tuple[int, int, int]) -> bool:
+    """True where populate() would only lengthen the call: QEMU from 9 maps all guest memory
+    itself in the pause too, but quickly. Measured on 10.0.2 (Linux 6.18), the first
+    checkpoint past the by-pages limit, populate() against none: 512 MiB with 100 MiB written,
+    call 0.18 against 0.13 s, pause 30 against 41 ms; 1536 MiB with 1 GiB written, call 0.29
+    against 0.17 s, pause 39 against 49 ms."""
+    return qemu >= KEEPS_RUN_STATE
+
+
 def ensure_populated(mon: Monitor, state_dir: Path, pid: int, memory_mib: int) -> None:
-    """populate() once per QEMU process: `state_dir` (the machine's, kept across renames)
-    says which QEMU was done. Only a background snapshot needs it: a machine whose memory is a
-    file and that wrote little of it is captured by pages (pagecapture.py)."""
+    """populate() once per QEMU process where it needs it: `state_dir` (the machine's, kept
+    across renames) says which QEMU was done. Only a background snapshot needs it: a machine
+    whose memory is a file and that wrote little of it is captured by pages (pagecapture.py)."""
+    if populates_itself(mon.version):
+        return
     if _reads(_populated_marker(state_dir)) != str(pid):
         populate(mon, pid, memory_mib)
         mark_populated(state_dir, pid)
@@ -347,12 +358,12 @@ def mark_populated(state_dir: Path, pid: int) -> None:
     _populated_marker(state_dir).write_text(str(pid))
 
 
-def populate_need(state_dir: Path, pid: int, ram_file: str | None) -> int:
+def populate_need(mon: Monitor, state_dir: Path, pid: int, ram_file: str | None) -> int:
     """The bytes of tmpfs populate() would take: a fault on a hole of the memory file QEMU
     maps allocates a page there, even a read fault of a copy-on-write mapping, and a QEMU
     whose file cannot grow dies of SIGBUS (seen: populating a machine on a 420 MiB tmpfs).
-    0 once this QEMU is populated or when its memory is not a file."""
-    if ram_file is None or _reads(_populated_marker(state_dir)) == str(pid):
+    0 once this QEMU is populated, where it needs none, or when its memory is not a file."""
+    if ram_file is None or populates_itself(mon.version) or _reads(_populated_marker(state_dir)) == str(pid):
         return 0
     try:
         st = os.stat(ram_file)

@@ -194,11 +194,11 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
         folder.mkdir(parents=True, exist_ok=True)
     point_id = new_checkpoint_id()
     machine.check_alive()
-    r = machine.record
-    populating = populate_need(machine.disk_dir, r.pid, r.ram) if live and not held else 0
-    pending.ensure_room(home, (r.memory_mib << 20) + populating, f"a checkpoint of {machine.name!r}")
     guest = gueststate.flush(machine.path)  # its files on its disk, for diffs (see gueststate.py)
     with machine.monitor() as mon:
+        r = machine.record
+        populating = populate_need(mon, machine.disk_dir, r.pid, r.ram) if live and not held else 0
+        pending.ensure_room(home, (r.memory_mib << 20) + populating, f"a checkpoint of {machine.name!r}")
         _reconcile_disks(machine, mon, caches.layers)
         r = machine.record
         top = Path(r.disks[-1])
