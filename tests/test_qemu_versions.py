@@ -12,7 +12,7 @@ from conftest import rewind_cli
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pending
 from rewind.engine.machine import Engine
-from rewind.engine.qemu import QEMU_ENV, QemuError, qemu_build
+from rewind.engine.qemu import QEMU_ENV, NeedsNewerQemu, qemu_build
 from rewind.store import Store
 
 LEGACY_QEMU = Path(__file__).parents[1] / ".cache/qemu-7.2/usr/bin/qemu-system-x86_64"
@@ -98,10 +98,10 @@ def test_qemu_7_2_runs_machines_and_its_points_run_on_the_qemu_in_use(
 
     monkeypatch.setenv(QEMU_ENV, legacy_qemu)
     assert Sandbox.create("back", from_checkpoint="on-newer-qemu", home=home).exec("cat /root/p.sum").ok
-    with pytest.raises(QemuError, match=r"saved by a newer QEMU \(board pc-q35-\d+\.\d+\)"):
+    with pytest.raises(NeedsNewerQemu, match=r"saved by a newer QEMU \(board pc-q35-\d+\.\d+\)"):
         Sandbox.create("refused", from_checkpoint="fresh-point", home=home)
     assert not (home.machines / "refused").exists()
-    with pytest.raises(QemuError, match="newer QEMU"):
+    with pytest.raises(NeedsNewerQemu, match="newer QEMU"):
         fresh.restore("fresh-point")  # refused before the machine is left: it runs on
     assert fresh.exec("cat /root/mark").stdout == "made\n"
     failed = rewind_cli("create", "again", "--from", "fresh-point", env={QEMU_ENV: legacy_qemu})

@@ -26,6 +26,7 @@ the code by tests/test_api.py (a new error class must be placed in it):
     │   ├── store.BadExport
     │   └── store.RemoteUnavailable          the bucket of an s3:// store did not answer or refused
     ├── engine.qemu.QemuError                QEMU would not start or run
+    │   └── engine.qemu.NeedsNewerQemu       a point of a board this host's QEMU lacks (a newer one's)
     ├── engine.qmp.MonitorError              QEMU refused a QMP command, or its monitor is gone
     ├── engine.migstream.StreamError         a memory capture could not be written out
     ├── engine.ramcache.NoRoom               tmpfs has no room for a memory image

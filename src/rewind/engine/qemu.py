@@ -62,6 +62,10 @@ class QemuError(RewindError):
     """QEMU could not be started."""
 
 
+class NeedsNewerQemu(QemuError):
+    """A saved state is of a board this host's QEMU does not have: a newer QEMU saved it."""
+
+
 @dataclass(frozen=True)
 class QemuBuild:
     """The QEMU this host runs machines with."""
@@ -91,7 +95,7 @@ class QemuBuild:
     def check_board(self, board: str, what: str) -> None:
         """QemuError unless this QEMU can run `what`, a state saved from board `board`."""
         if board not in self.boards:
-            raise QemuError(f"{what} was saved by a newer QEMU (board {board}); this host's QEMU "
+            raise NeedsNewerQemu(f"{what} was saved by a newer QEMU (board {board}); this host's QEMU "
                             f"{self.version_text} runs {self.board} and older: run it where QEMU is "
                             "that version or newer")
 

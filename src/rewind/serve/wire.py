@@ -14,6 +14,7 @@ from typing import Any
 from rewind import errors
 from rewind.engine.agent import ExecResult
 from rewind.engine.machine import MachineInfo
+from rewind.engine.qemu import NeedsNewerQemu
 from rewind.guard.classify import Decision, Kind
 from rewind.guard.guarded import GuardedResult, Refused
 from rewind.guard.trial import Outcome, StepRun
@@ -33,6 +34,7 @@ STATUS: dict[type[BaseException], int] = {
     errors.Busy: 409,
     errors.MachineNotRunning: 409,
     errors.PortError: 409,
+    NeedsNewerQemu: 409,
     errors.OverBudget: 429,
     errors.GuestFileError: 422,
     errors.AgentError: 502,
