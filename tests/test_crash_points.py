@@ -21,9 +21,10 @@ import pytest
 from conftest import cleanup_home, rewind_cli
 from invariants import assert_home_whole, ok, wait_until
 
-from rewind import Home
+from rewind import Home, Sandbox
 from rewind.crashpoints import CRASH_ENV, LOG_ENV
 from rewind.engine import pending
+from rewind.engine.qemu import process_alive
 
 SWEEP_ENV = "REWIND_CRASH_SWEEP"
 FULL = os.environ.get(SWEEP_ENV) == "all"
@@ -150,3 +151,28 @@ def test_a_crash_at_any_step_loses_nothing(crash_home: Home, verb: Verb, tmp_pat
             counts[role] = n
     if FULL:
         print(f"\ncrash-sweep {verb.name}: " + ", ".join(f"{role} {c} steps" for role, c in counts.items()))
+
+
+@pytest.mark.parametrize("verb", ["rm", "stop"])
+def test_a_qemu_a_restore_left_ends_with_its_machine_after_its_committer_was_killed(
+        home: Home, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verb: str) -> None:
+    """A restore leaves its machine's old QEMU stopped, for its committer to write its memory
+    out and end it. A committer killed (as the OOM killer would) left that QEMU running after
+    `rm` of the machine and the deletion of its home."""
+    sbx = Sandbox.create("left", home=home)
+    point = sbx.checkpoint(wait=True)
+    # Past pagecapture's limit: the state it leaves is migrated out of the old QEMU, later.
+    sbx.exec("head -c 80M /dev/urandom > /dev/shm/after", check=True)
+    died = tmp_path / "died"
+    monkeypatch.setenv(CRASH_ENV, "commit:1")  # the committer of the state the restore leaves
+    monkeypatch.setenv(LOG_ENV, str(died))
+    sbx.restore(point)
+    wait_until(died.exists, "the committer to be killed", 60)
+    (journal,) = pending.journals(home)
+    left = pending.load(journal)
+    assert left.end_qemu is not None and process_alive(left.end_qemu, left.machine_uuid)
+    monkeypatch.delenv(CRASH_ENV)
+    ok(verb, "left")
+    end_qemu = left.end_qemu
+    wait_until(lambda: not process_alive(end_qemu, left.machine_uuid), "the QEMU it left to end", 60)
+    wait_until(lambda: not pending.journals(home), "its point to be stored", 60)

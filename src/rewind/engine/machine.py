@@ -689,10 +689,11 @@ class Machine:
     def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
         capture is lost if its QEMU ends first); storing them goes on without it, and their
-        committers end the QEMUs its restores left."""
+        committers end the QEMUs its restores left (started again where one was killed)."""
         from rewind.engine import pending
 
         home = self.engine.home
+        pending.revive_committers(home, self.record.uuid)
         for point in pending.captured(home):
             if point.machine_uuid == self.record.uuid and point.end_qemu is None:
                 with contextlib.suppress(RewindError):

@@ -47,6 +47,7 @@ from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError
 from rewind.store.durable import append_line, replace_durably
+from rewind.store.locks import is_held
 
 # A checkpoint that a machine is starting from (a branch) or in place of (a restore) is
 # committed in the background this long after: a machine is busiest in its first moments
@@ -197,6 +198,16 @@ def start_committer(home: Home, journal: Path) -> None:
     if spawner.spawn(home.runtime, spawner.Request("commit", args, nice=10)) is None:
         start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
                         *args])
+
+
+def revive_committers(home: Home, machine_uuid: str) -> None:
+    """Start a committer again for each of the machine's journals that none holds: one killed
+    (the OOM killer, a SIGKILL to the home's helpers) left its point unstored and, after a
+    restore, the QEMU that restore stopped running with no one to end it."""
+    for journal in journals(home, machine_uuid):
+        with contextlib.suppress(FileNotFoundError):  # committed meanwhile
+            if not is_held(journal):
+                start_committer(home, journal)
 
 
 def settle(home: Home, machine_uuid: str | None = None) -> list[str]:
