@@ -1031,7 +1031,7 @@ def image_import(name: str, kernel: str, initrd: str, disk: str, runtime_disk: s
     """Add an image of your own as NAME (use it with `rewind start --image NAME`).
 
     The guest must mount /dev/vda as its root and run rewind's guest agent as root
-    (see the README); the default image shows how.
+    (src/rewind/guest/); the default image shows how.
     """
     from rewind.image import import_image
 

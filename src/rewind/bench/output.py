@@ -114,7 +114,7 @@ def tables(report: Report) -> list[Table]:
 
 
 def markdown(data: dict) -> str:
-    """The same tables in Markdown, for the README."""
+    """The same tables in Markdown, for docs/performance.md."""
     text = []
     for header, body in (rows(data), work_rows(data)):
         if body:

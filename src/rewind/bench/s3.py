@@ -6,7 +6,7 @@ new machine in the second home from a point taken in the first (through the buck
 from a store folder both homes share), and the bytes each point sends to the bucket,
 including the second home's point of its copy (what dedup across homes leaves to send).
 
-`python -m rewind.bench.s3 [ROUNDS]` prints them; the README has a run's.
+`python -m rewind.bench.s3 [ROUNDS]` prints them; docs/scale-out.md has a run's.
 """
 
 from __future__ import annotations
