@@ -688,16 +688,19 @@ class Machine:
 
     def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
-        capture is lost if its QEMU ends first); storing them goes on without it, and their
-        committers end the QEMUs its restores left (started again where one was killed)."""
+        capture is lost if its QEMU ends first), and end the QEMUs its restores left once
+        theirs is out. Storing them goes on without it (a committer killed is started again).
+        The QEMUs a restore left were their committers' to end: one killed, or one whose home
+        was deleted under it, left them running with nothing to record them."""
         from rewind.engine import pending
 
         home = self.engine.home
         pending.revive_committers(home, self.record.uuid)
         for point in pending.captured(home):
-            if point.machine_uuid == self.record.uuid and point.end_qemu is None:
+            if point.machine_uuid == self.record.uuid:
                 with contextlib.suppress(RewindError):
                     pending.wait_captured(home, point)
+                    pending.end_qemu(point)
 
     def delete(self) -> None:
         self._settle_before_ending()
