@@ -264,6 +264,33 @@ def test_commands_beyond_the_corpus(kind: Kind, command: str) -> None:
     assert decision.kind is kind, decision.reasons
 
 
+# A client pointed at another machine by its environment changes that machine: what would be a
+# fork here is external; reads stay reads, and a target on this machine changes nothing.
+AIMED = [
+    (Kind.EXTERNAL, "DATABASE_URL=postgres://app:pw@db.staging.example.net/shop alembic upgrade head"),
+    (Kind.EXTERNAL, "export DATABASE_URL=postgresql://10.20.0.7/orders && npx prisma migrate deploy"),
+    (Kind.EXTERNAL, "env MONGO_URL=mongodb+srv://cluster1.example.org/app node scripts/seed.js"),
+    (Kind.EXTERNAL, "PGHOST=reports.internal psql -c 'truncate events'"),
+    (Kind.EXTERNAL, "DOCKER_HOST=ssh://deploy@build.example.com docker compose up -d"),
+    (Kind.EXTERNAL, "KUBECONFIG=$HOME/.kube/prod.yaml ./scripts/rollout.sh api"),
+    (Kind.EXTERNAL, "REDIS_URL=$CACHE_URL python -m worker --flush"),  # known only at run time
+    (Kind.FORK, "DATABASE_URL=postgres://localhost:5432/shop alembic upgrade head"),
+    (Kind.FORK, "DATABASE_URL=sqlite:///instance/app.db flask db upgrade"),
+    (Kind.FORK, "env REDIS_URL=redis://127.0.0.1:6379/0 python -m worker --flush"),
+    (Kind.NONE, "KUBECONFIG=$HOME/.kube/prod.yaml kubectl get deployments"),
+    (Kind.NONE, "DOCKER_HOST=unix:///run/user/1000/docker.sock docker ps"),
+    (Kind.NONE, "export DATABASE_URL=postgres://10.20.0.7/orders; cat README.md"),
+]
+
+
+@pytest.mark.parametrize(("kind", "command"), AIMED, ids=[command for _, command in AIMED])
+def test_a_client_aimed_elsewhere_by_its_environment_acts_there(kind: Kind, command: str) -> None:
+    decision = classify(command, cwd=PROJECT)
+    assert decision.kind is kind, decision.reasons
+    if kind is Kind.EXTERNAL:
+        assert decision.decided_by[0].startswith("environment: "), decision.decided_by
+
+
 def test_reasons_name_the_deciding_part() -> None:
     decision = classify("ls && sudo apt-get install -y postgresql && echo done")
     assert decision.kind is Kind.FORK

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from rewind.guard.verdicts import Kind, Rule
-from rewind.guard.words import HERE, NO_OPTIONS, UNKNOWN, Options, Word, file_words
+from rewind.guard.words import HERE, NO_OPTIONS, UNKNOWN, Options, Word, file_words, literal, remote_url
 
 if TYPE_CHECKING:
     from rewind.guard.walker import Call
@@ -111,14 +111,17 @@ class Wrapper:
                 return [rule]
         command = parsed.operands
         rules = []
+        shell = call.shell
         while self.assignments and command and assigned(command[0]):
-            if assigned(command[0]) in RISKY_VARIABLES:
-                rules.append(risky_variable(assigned(command[0])))
+            name, text = assigned(command[0]), command[0].text or ""
+            if name in RISKY_VARIABLES:
+                rules.append(risky_variable(name))
+            target = remote_target(name, literal(text.partition("=")[2]))
+            shell = shell if target is None else shell.aimed_at(target)
             command = command[1:]
         command = command[self.leading:]
         if not command:
             return [*rules, self.bare or READS]
-        shell = call.shell
         for folder in parsed.values(*self.dir_flags):
             shell = shell.moved(folder)
         call.run([*command, UNKNOWN] if self.feeds_args else command, shell)
@@ -254,6 +257,34 @@ RISKY_VARIABLES = frozenset({
 
 def risky_variable(name: str) -> Rule:
     return Rule(Kind.FORK, f"sets {name}, which changes what programs run or where they work")
+
+
+# Variables from which clients take the system they act on: a database migration run with
+# DATABASE_URL naming another host changes that host's database, whatever the tool's entry says.
+TARGET_VARIABLES = frozenset({
+    "DATABASE_URL", "DB_URL", "DB_HOST", "PGHOST", "PGHOSTADDR", "MYSQL_HOST", "MYSQL_URL", "MONGO_URL",
+    "MONGO_URI", "MONGODB_URI", "MONGODB_URL", "REDIS_URL", "REDIS_HOST", "AMQP_URL", "RABBITMQ_URL",
+    "CELERY_BROKER_URL", "BROKER_URL", "KAFKA_BOOTSTRAP_SERVERS", "ELASTICSEARCH_URL", "OPENSEARCH_URL",
+    "CLICKHOUSE_HOST", "CLICKHOUSE_URL", "DOCKER_HOST", "CONTAINER_HOST", "KUBECONFIG", "NOMAD_ADDR",
+    "VAULT_ADDR", "CONSUL_HTTP_ADDR", "SUPABASE_URL", "FIREBASE_DATABASE_URL"})
+
+
+def remote_target(name: str, value: Word) -> str | None:
+    """`NAME=value` if setting `name` to `value` points a client at another machine: the value
+    names another host or is only known at run time (KUBECONFIG's file always names a
+    cluster); else None."""
+    if name in TARGET_VARIABLES and (name == "KUBECONFIG" or remote_url(value)):
+        return f"{name}={value.text if value.text is not None else '...'}"
+    return None
+
+
+def aimed(rule: Rule, target: str) -> Rule:
+    """A command's verdict once a variable points it at another machine: what would change
+    here (a fork) changes there; reads stay reads."""
+    if rule.kind is not Kind.FORK:
+        return rule
+    return Rule(Kind.EXTERNAL, f"{rule.why}, on the machine {target} names, where no snapshot can take "
+                               "it back", "environment: " + target.partition("=")[0])
 
 
 def request_rule(remote: bool, method: str) -> Rule:

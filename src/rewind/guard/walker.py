@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import tree_sitter
 import tree_sitter_bash
 
-from rewind.guard.entries import READS, RISKY_VARIABLES, risky_variable, unknown
+from rewind.guard.entries import READS, RISKY_VARIABLES, aimed, remote_target, risky_variable, unknown
 from rewind.guard.programs import PROGRAMS
 from rewind.guard.userrules import UserRules
 from rewind.guard.verdicts import Decision, Kind, Rule
@@ -61,9 +61,16 @@ class Shell:
     here: str | None  # the current folder, normalised; None when only known at run time
     variables: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     functions: set[str] = field(default_factory=set)
+    target: str | None = None  # NAME=value that points its clients at another machine
 
     def copy(self) -> Shell:
-        return Shell(self.here, dict(self.variables), set(self.functions))
+        return Shell(self.here, dict(self.variables), set(self.functions), self.target)
+
+    def aimed_at(self, target: str) -> Shell:
+        """This shell for one command whose environment points it at another machine."""
+        aimed = self.copy()
+        aimed.target = target
+        return aimed
 
     def moved(self, folder: Word) -> Shell:
         """A copy of this shell whose current folder is `folder` (as `cd folder` would)."""
@@ -343,15 +350,21 @@ class Walker:
         self.assign(node, shell)
         self.add(Rule(Kind.NONE, "only sets a shell variable", "shell: assignment"), node_text(node))
 
-    def assign(self, node: tree_sitter.Node, shell: Shell, for_command: bool = False) -> None:
-        """NAME=value: remembered for the words that follow, unless it is only for one command."""
+    def assign(self, node: tree_sitter.Node, shell: Shell, for_command: bool = False) -> str | None:
+        """NAME=value: remembered for the words that follow, unless it is only for one command.
+        Returns `NAME=value` if it points clients at another machine (see remote_target)."""
         name, value = node.child_by_field_name("name"), node.child_by_field_name("value")
+        target = None
         if name is not None:
+            word = shell.expand(value) if value is not None else Word(("",))
             if node_text(name) in RISKY_VARIABLES:
                 self.add(risky_variable(node_text(name)).sourced("shell: assignment"), node_text(node))
+            target = remote_target(node_text(name), word)
             if not for_command:
-                shell.variables[node_text(name)] = shell.expand(value).values if value is not None else ("",)
+                shell.variables[node_text(name)] = word.values
+                shell.target = target or shell.target
         self.descend(node, shell)
+        return target
 
     def declaration(self, node: tree_sitter.Node, shell: Shell) -> None:
         for child in node.children:
@@ -409,12 +422,13 @@ class Walker:
     def walk_command(self, node: tree_sitter.Node, shell: Shell, extra: Sequence[tree_sitter.Node] = (),
                      text: str | None = None) -> None:
         words: list[Word] = []
+        target = None
         for i, child in enumerate(node.children):
             field_name = node.field_name_for_child(i)
             if field_name == "redirect":
                 extra = [*extra, *self.redirect(child, shell)]
             elif child.type == "variable_assignment":
-                self.assign(child, shell, for_command=True)
+                target = self.assign(child, shell, for_command=True) or target
             else:
                 self.walk(child, shell)  # substitutions in the words run first
                 if field_name in ("name", "argument"):
@@ -424,7 +438,7 @@ class Walker:
             words.append(shell.expand(word))
         name = node.child_by_field_name("name")
         if name is not None and not name.has_error:  # a missing name is reported as a parse error
-            self.run(words, text or node_text(node), shell)
+            self.run(words, text or node_text(node), shell if target is None else shell.aimed_at(target))
 
     def run(self, words: list[Word], text: str, shell: Shell) -> None:
         """Judge the program `words` runs; `text` is the command the reasons quote."""
@@ -433,7 +447,7 @@ class Walker:
             return
         self.level += 1
         for rule in _judge(Call(self, words[0].text or "", words[1:], text, shell)):
-            self.add(rule, text)
+            self.add(rule if shell.target is None else aimed(rule, shell.target), text)
         self.level -= 1
 
 
