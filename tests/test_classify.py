@@ -291,6 +291,30 @@ def test_a_client_aimed_elsewhere_by_its_environment_acts_there(kind: Kind, comm
         assert decision.decided_by[0].startswith("environment: "), decision.decided_by
 
 
+# A launcher's package with a version, a scoped package, or the project's installed copy of a
+# tool is the program the table knows.
+LAUNCHED = [
+    (Kind.GIT, "npx prettier@latest --write src/app.js"),
+    (Kind.NONE, "npx prettier@3.3.3 --check ."),
+    (Kind.GIT, "npx @biomejs/biome@1.9.4 format --write src"),
+    (Kind.GIT, "pnpm dlx prettier@3 --write src/app.js"),
+    (Kind.GIT, "bunx eslint@9 --fix src"),
+    (Kind.GIT, "uvx ruff@0.6.9 check --fix ."),
+    (Kind.GIT, "pipx run black==24.10.0 src"),
+    (Kind.GIT, "./node_modules/.bin/prettier --write src/app.js"),
+    (Kind.NONE, "node_modules/.bin/eslint src"),
+    (Kind.EXTERNAL, "npx vercel@latest deploy --prod"),
+    (Kind.FORK, ".venv/bin/tool --sync"),  # a program of the project's own
+]
+
+
+@pytest.mark.parametrize(("kind", "command"), LAUNCHED, ids=[command for _, command in LAUNCHED])
+def test_a_launched_package_is_judged_as_its_program(kind: Kind, command: str) -> None:
+    decision = classify(command, cwd=PROJECT)
+    assert decision.kind is kind, decision.reasons
+    assert kind is Kind.FORK or not decision.unknown_programs
+
+
 def test_reasons_name_the_deciding_part() -> None:
     decision = classify("ls && sudo apt-get install -y postgresql && echo done")
     assert decision.kind is Kind.FORK

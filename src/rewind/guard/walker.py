@@ -511,10 +511,17 @@ def _only_misread_here_strings(root: tree_sitter.Node) -> bool:
 
 
 def program_key(name: str) -> str | None:
-    """The PROGRAMS key for a command name: /usr/bin/rm is rm, python3.11 is python."""
+    """The PROGRAMS key for a command name: /usr/bin/rm is rm, python3.11 is python; a package
+    a launcher runs (npx, uvx, pipx run) by its program: prettier@3 and @biomejs/biome@1.8 are
+    prettier and biome, black==24.1 is black; node_modules/.bin/eslint, the project's copy of
+    eslint, is eslint."""
     folder, base = posixpath.split(name)
+    scoped = name.startswith("@") and name.count("/") == 1  # @scope/package
+    if scoped or folder == "node_modules/.bin" or folder.endswith("/node_modules/.bin"):
+        folder = ""
     if folder and folder not in _SYSTEM_BIN and base not in _PROJECT_WRAPPERS:
         return None  # ./run.sh, .venv/bin/x: a program of its own
+    base = re.split(r"@|==|>=|<=|~=|!=|\[", base, maxsplit=1)[0] if not base.startswith("@") else base
     if base in PROGRAMS:
         return base
     unversioned = re.fullmatch(r"([a-z]+?)-?[0-9.]+", base)
