@@ -315,6 +315,26 @@ def test_a_launched_package_is_judged_as_its_program(kind: Kind, command: str) -
     assert kind is Kind.FORK or not decision.unknown_programs
 
 
+# Project tools' verbs that edit the manifest in the project, which git takes back.
+MANIFEST_VERBS = [
+    (Kind.GIT, "npm pkg set scripts.lint=eslint"),
+    (Kind.NONE, "npm pkg get version"),
+    (Kind.GIT, "npm version prerelease --no-git-tag-version"),
+    (Kind.FORK, "npm version major"),  # also commits and tags
+    (Kind.NONE, "npm version"),
+    (Kind.GIT, "poetry version patch"),
+    (Kind.NONE, "poetry version --short"),
+    (Kind.GIT, "hatch version 2.0.0"),
+    (Kind.GIT, "cargo set-version --bump minor"),
+    (Kind.FORK, "uv version --bump patch"),  # also locks and syncs the environment
+]
+
+
+@pytest.mark.parametrize(("kind", "command"), MANIFEST_VERBS, ids=[command for _, command in MANIFEST_VERBS])
+def test_verbs_that_edit_the_manifest_are_git(kind: Kind, command: str) -> None:
+    assert classify(command, cwd=PROJECT).kind is kind
+
+
 def test_reasons_name_the_deciding_part() -> None:
     decision = classify("ls && sudo apt-get install -y postgresql && echo done")
     assert decision.kind is Kind.FORK

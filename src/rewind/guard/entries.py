@@ -35,6 +35,7 @@ OWNERSHIP = Rule(Kind.FORK, "changes file ownership or attributes, which git doe
 EDITOR = Rule(Kind.FORK, "opens an editor that can change any file")
 REPO = Rule(Kind.GIT, "changes the repository or its work tree")
 FOLDER = Rule(Kind.GIT, "writes files in the current folder")
+MANIFEST = Rule(Kind.GIT, "edits the project's manifest (package.json, pyproject.toml) here")
 PUBLISHES = Rule(Kind.EXTERNAL, "publishes to a remote registry")
 PUSHES = Rule(Kind.EXTERNAL, "pushes to a remote repository")
 REMOTE = Rule(Kind.EXTERNAL, "changes a remote system")
@@ -181,6 +182,30 @@ class Given:
 def given(call: Call) -> set[str]:
     """The words of a call, each as written and before its `=` (--dry-run=client, --dry-run)."""
     return {text for word in call.args if word.text for text in (word.text, word.text.partition("=")[0])}
+
+
+@dataclass(frozen=True)
+class VersionBump:
+    """A project tool's `version` verb (poetry version, hatch version, npm version): alone it
+    prints the version; given one, or a bump, it writes it into the manifest. npm and yarn
+    then also commit and tag, unless one of `no_tag` says not to: a tag is not something the
+    git tier takes back, so that is a fork. `then`: what else a bump does (uv locks and syncs
+    the environment), instead of only the manifest."""
+
+    bump_flags: frozenset[str] = frozenset()
+    no_tag: frozenset[str] | None = None  # None: it never commits or tags
+    then: Entry | None = None
+
+    def __call__(self, call: Call) -> list[Rule]:
+        texts = [word.text for word in call.args]
+        flags = {(t or "").partition("=")[0] for t in texts}
+        if not (flags & self.bump_flags or any(t is None or not t.startswith("-") for t in texts)):
+            return [READS]
+        if self.then is not None:
+            return self.then(call)
+        if self.no_tag is not None and not flags & self.no_tag and "--git-tag-version=false" not in texts:
+            return [Rule(Kind.FORK, "bumps the version, then commits and tags it (the git tier leaves tags)")]
+        return [call.locally(MANIFEST)]
 
 
 def reads_unless(words: str, rule: Entry) -> Given:
