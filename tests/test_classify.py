@@ -335,6 +335,29 @@ def test_verbs_that_edit_the_manifest_are_git(kind: Kind, command: str) -> None:
     assert classify(command, cwd=PROJECT).kind is kind
 
 
+# `python -c` read as a program: its calls decide, as commands do in shell.
+INLINE_PYTHON = [
+    (Kind.NONE, """python3 -c "import json,sys; print(json.load(open('package.json'))['version'])" """),
+    (Kind.NONE, """python3 -c 'import platform; print(platform.python_version())'"""),
+    (Kind.NONE, """python3 -c "from pathlib import Path; print(Path('a').read_text().replace('-', '_'))" """),
+    (Kind.GIT, """python3 -c "open('CHANGES.md', 'a').write('- fix\\n')" """),
+    (Kind.GIT, """python3 -c "from pathlib import Path; Path('src/version.py').write_text('V = 2')" """),
+    (Kind.FORK, """python3 -c "import shutil; shutil.rmtree('/var/lib/app')" """),
+    (Kind.FORK, """python3 -c "import os; os.system('apt-get install -y jq')" """),
+    (Kind.EXTERNAL, """python3 -c "import subprocess; subprocess.call(['git', 'push', 'origin'])" """),
+    (Kind.EXTERNAL, """python3 -c "import requests; requests.delete('https://api.example.com/items/3')" """),
+    (Kind.FORK, """python3 -c "import app.cli; app.cli.main()" """),  # a module of unknown effect
+    (Kind.FORK, """python3 -c "exec(open('setup_db.py').read())" """),
+    (Kind.FORK, 'python3 -c "$SNIPPET"'),
+]
+
+
+@pytest.mark.parametrize(("kind", "command"), INLINE_PYTHON, ids=[command for _, command in INLINE_PYTHON])
+def test_inline_python_is_judged_by_what_it_calls(kind: Kind, command: str) -> None:
+    decision = classify(command, cwd=PROJECT)
+    assert decision.kind is kind, decision.reasons
+
+
 def test_reasons_name_the_deciding_part() -> None:
     decision = classify("ls && sudo apt-get install -y postgresql && echo done")
     assert decision.kind is Kind.FORK

@@ -28,6 +28,7 @@ from rewind.guard.entries import (
     unknown,
     word_set,
 )
+from rewind.guard.inline import inline_python
 from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import (
     HERE,
@@ -126,7 +127,9 @@ def python(call: Call) -> list[Rule]:
             call.run([literal(program), *_after_module(call.args)])
             return []
         return [unknown(f"python -m {module}", f"runs the Python module {module}; its effect is not known")]
-    if parsed.has("-V") and not parsed.operands and not parsed.has("-c"):
+    if parsed.has("-c"):
+        return inline_python(call, parsed.value("-c"))
+    if parsed.has("-V") and not parsed.operands:
         return [Rule(Kind.NONE, "only prints its version")]
     return [RUNS_CODE]
 
