@@ -258,12 +258,6 @@ GENERAL = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "command"), GENERAL, ids=[command for _, command in GENERAL])
-def test_commands_beyond_the_corpus(kind: Kind, command: str) -> None:
-    decision = classify(command, cwd=PROJECT)
-    assert decision.kind is kind, decision.reasons
-
-
 # A client pointed at another machine by its environment changes that machine: what would be a
 # fork here is external; reads stay reads, and a target on this machine changes nothing.
 AIMED = [
@@ -283,13 +277,6 @@ AIMED = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "command"), AIMED, ids=[command for _, command in AIMED])
-def test_a_client_aimed_elsewhere_by_its_environment_acts_there(kind: Kind, command: str) -> None:
-    decision = classify(command, cwd=PROJECT)
-    assert decision.kind is kind, decision.reasons
-    if kind is Kind.EXTERNAL:
-        assert decision.decided_by[0].startswith("environment: "), decision.decided_by
-
 
 # A launcher's package with a version, a scoped package, or the project's installed copy of a
 # tool is the program the table knows.
@@ -308,12 +295,6 @@ LAUNCHED = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "command"), LAUNCHED, ids=[command for _, command in LAUNCHED])
-def test_a_launched_package_is_judged_as_its_program(kind: Kind, command: str) -> None:
-    decision = classify(command, cwd=PROJECT)
-    assert decision.kind is kind, decision.reasons
-    assert kind is Kind.FORK or not decision.unknown_programs
-
 
 # Project tools' verbs that edit the manifest in the project, which git takes back.
 MANIFEST_VERBS = [
@@ -329,10 +310,6 @@ MANIFEST_VERBS = [
     (Kind.FORK, "uv version --bump patch"),  # also locks and syncs the environment
 ]
 
-
-@pytest.mark.parametrize(("kind", "command"), MANIFEST_VERBS, ids=[command for _, command in MANIFEST_VERBS])
-def test_verbs_that_edit_the_manifest_are_git(kind: Kind, command: str) -> None:
-    assert classify(command, cwd=PROJECT).kind is kind
 
 
 # `python -c` read as a program: its calls decide, as commands do in shell.
@@ -352,10 +329,27 @@ INLINE_PYTHON = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "command"), INLINE_PYTHON, ids=[command for _, command in INLINE_PYTHON])
-def test_inline_python_is_judged_by_what_it_calls(kind: Kind, command: str) -> None:
+
+BEYOND = GENERAL + AIMED + LAUNCHED + MANIFEST_VERBS + INLINE_PYTHON
+
+
+@pytest.mark.parametrize(("kind", "command"), BEYOND, ids=[command for _, command in BEYOND])
+def test_commands_beyond_the_corpus(kind: Kind, command: str) -> None:
     decision = classify(command, cwd=PROJECT)
     assert decision.kind is kind, decision.reasons
+
+
+
+
+def test_a_client_aimed_elsewhere_is_decided_by_its_environment() -> None:
+    for kind, command in AIMED:
+        if kind is Kind.EXTERNAL:
+            assert classify(command, cwd=PROJECT).decided_by[0].startswith("environment: "), command
+
+
+def test_a_launched_package_is_a_program_the_table_knows() -> None:
+    for kind, command in LAUNCHED:
+        assert kind is Kind.FORK or not classify(command, cwd=PROJECT).unknown_programs, command
 
 
 def test_reasons_name_the_deciding_part() -> None:
