@@ -169,6 +169,14 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
         Store.open(store.root, password=PASSWORD)
 
 
+def test_a_config_turned_back_to_plain_is_refused(tmp_path: Path) -> None:
+    """A writer of the folder cannot make rewind write in the clear beside sealed objects."""
+    make(tmp_path / "store")
+    (tmp_path / "store" / "config.json").write_text(json.dumps({"format": 2, "chunk_size": CS}))
+    with pytest.raises(StoreError, match="key files"):
+        Store.open(tmp_path / "store")
+
+
 def test_chunk_names_are_keyed_and_still_deduplicate(tmp_path: Path) -> None:
     one, two = make(tmp_path / "one"), make(tmp_path / "two")
     data = secret_blob()

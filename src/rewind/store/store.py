@@ -196,6 +196,11 @@ class Store:
                              f"does not know (it knows 1 to {ENCRYPTED_FORMAT})")
         if not _valid_chunk_size(chunk_size):
             raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
+        if version != ENCRYPTED_FORMAT and (root / "keys").exists():
+            # A writer of the folder may have turned an encrypted store's config back to plain:
+            # never write in the clear beside its sealed objects.
+            raise StoreError(f"the checkpoint store at {root} is damaged: it has key files but its "
+                             f"config.json says format {version}, not {ENCRYPTED_FORMAT}")
         dirs = (*_DIRS, "keys") if version == ENCRYPTED_FORMAT else _DIRS
         missing = [d for d in dirs if not (root / d).is_dir() and (d, version) != ("packs", 1)]
         if missing:
