@@ -169,6 +169,13 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
         Store.open(store.root, password=PASSWORD)
 
 
+def test_a_making_that_died_before_its_config_leaves_no_key_behind(tmp_path: Path) -> None:
+    make(tmp_path / "store")
+    (tmp_path / "store" / "config.json").unlink()  # as if killed just before it was written
+    store = make(tmp_path / "store")
+    assert len(store.key_slots()) == 1 and Store.open(store.root, password=PASSWORD).keys == store.keys
+
+
 def test_a_config_turned_back_to_plain_is_refused(tmp_path: Path) -> None:
     """A writer of the folder cannot make rewind write in the clear beside sealed objects."""
     make(tmp_path / "store")

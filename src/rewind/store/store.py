@@ -888,6 +888,10 @@ def _create(root: Path, chunk_size: int, encrypt: PasswordSource | bool) -> tupl
         config = {"format": STORE_FORMAT, "chunk_size": chunk_size}
         if encrypt is not False:
             (root / "keys").mkdir(mode=0o700, exist_ok=True)
+            for left in (root / "keys").iterdir():
+                # Keys of a making that died before config.json: nothing was sealed with them, and
+                # one left beside the new one could open with the same password to the wrong keys.
+                left.unlink()
             keys = crypto.Keys.new()
             made = keys, crypto.add_key(root / "keys", keys, secret)
             config = {"format": ENCRYPTED_FORMAT, "chunk_size": chunk_size, "encryption": "aes-256-gcm"}
