@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pty
 import shutil
+import sys
+import time
 from io import BytesIO
 from pathlib import Path
 
@@ -322,3 +326,32 @@ def test_a_machine_checkpointed_into_an_encrypted_store(home: Home, tmp_path: Pa
         assert memory_marker in copy.exec("ps -eo args", check=True).stdout
     finally:
         cleanup_home(other)
+
+
+def test_the_password_is_asked_for_on_a_terminal(tmp_path: Path) -> None:
+    """With no password in the environment, the CLI asks on the terminal (twice for a new one)."""
+    env = {**os.environ, "REWIND_HOME": str(tmp_path / "home"), "REWIND_STORE": str(tmp_path / "store")}
+
+    def run(*args: str, answers: list[str]) -> tuple[int, str]:
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: its terminal is the pty
+            os.execve(sys.executable, [sys.executable, "-m", "rewind.cli", *args], env)
+        said, deadline = b"", time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(fd, 1024)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            said += chunk
+            if answers and said.rstrip().endswith(b":"):
+                os.write(fd, answers.pop(0).encode() + b"\n")
+                said += b"|"
+        os.close(fd)
+        return os.waitpid(pid, 0)[1], said.decode(errors="replace")
+
+    status, said = run("store", "init", "--encrypt", answers=[PASSWORD, PASSWORD])
+    assert status == 0 and "again" in said and "made an encrypted" in said, said
+    status, said = run("store", "key", "list", answers=[PASSWORD])
+    assert status == 0 and "*" in said, said
+    status, said = run("store", "key", "list", answers=["wrong"])
+    assert status != 0 and "wrong password" in said, said
