@@ -13,6 +13,8 @@ Layout of a store directory (docs/format.md is the contract):
     checkpoints/<id>.json       a manifest (model.py), written last and atomically
     locks/                      store.lock (flock) and the holders' notes (locks.py)
     tmp/                        files being written; what a crash leaves here, gc removes
+    keys/<16 hex>               an encrypted store's key files (format 3, crypto.py): then every
+                                chunk and manifest is sealed and chunks are named by keyed BLAKE3
 
 Discipline after restic's repository: files are written to tmp/, made durable and only then
 renamed into place, so a crash leaves nothing half-visible. A blob's new chunks go into packs
