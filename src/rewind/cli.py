@@ -1312,7 +1312,9 @@ def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
     spec = os.environ.get("REWIND_STORE") or str(engine.home.store)
     if not is_remote(spec):
         made = (Path(spec) / "config.json").exists()
-        return {"store": spec, "store_status": "a folder on this host" + ("" if made else ", not made yet")}
+        encrypted = (Path(spec) / "keys").is_dir()  # format 3 (docs/format.md §2.11)
+        return {"store": spec, "store_status": "a folder on this host" + (", encrypted" if encrypted else "")
+                + ("" if made else ", not made yet")}
     try:
         store = Store.open(spec, create=True, home=engine.home.root)
     except StoreError as e:
