@@ -22,7 +22,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
@@ -51,10 +51,10 @@ PasswordSource = str | Callable[[], str] | None
 
 @dataclass(frozen=True)
 class Keys:
-    """A store's two secret keys."""
+    """A store's two secret keys (never shown: not in a repr, so not in a traceback or a log)."""
 
-    encrypt: bytes
-    chunk_id: bytes
+    encrypt: bytes = field(repr=False)
+    chunk_id: bytes = field(repr=False)
 
     @classmethod
     def new(cls) -> Keys:
