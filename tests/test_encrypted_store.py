@@ -180,6 +180,16 @@ def test_a_making_that_died_before_its_config_leaves_no_key_behind(tmp_path: Pat
     assert len(store.key_slots()) == 1 and Store.open(store.root, password=PASSWORD).keys == store.keys
 
 
+def test_a_key_file_asking_for_too_much_work_is_refused(tmp_path: Path) -> None:
+    make(tmp_path / "store")
+    key = next((tmp_path / "store" / "keys").iterdir())
+    slot = json.loads(key.read_text())
+    for change in ({"n": 1 << 20, "r": 16}, {"p": 1000}, {"n": 1000}):
+        key.write_text(json.dumps({**slot, **change}))
+        with pytest.raises(StoreError, match="damaged"):
+            Store.open(tmp_path / "store", password=PASSWORD)
+
+
 def test_a_config_turned_back_to_plain_is_refused(tmp_path: Path) -> None:
     """A writer of the folder cannot make rewind write in the clear beside sealed objects."""
     make(tmp_path / "store")

@@ -40,7 +40,10 @@ KEY_VERSION = 1
 # scrypt's cost: 2^15 x 8 x 128 bytes = 32 MiB of memory and about 0.1 s per try on this
 # host. Each file records its own, so a later rewind can raise them for new slots only.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
-MAX_SCRYPT_N = 1 << 22  # a key file asking for more is refused, not obeyed (4 GiB at r=8)
+# A key file asking for more is refused, not obeyed: whoever can write the folder must not be
+# able to make every opening take all memory or hours (scrypt needs 128·n·r bytes, time ~ n·r·p).
+MAX_SCRYPT_MEMORY = 1 << 30
+MAX_SCRYPT_P = 16
 SALT_BYTES = 32
 # The associated data of each kind of object: an object of one kind never opens as another.
 KEY_FILE, CHUNK, MANIFEST, EXPORT = b"rewind key", b"rewind chunk", b"rewind manifest", b"rewind export"
@@ -139,8 +142,8 @@ class KeySlot:
         if data["version"] != KEY_VERSION or data["kdf"] != "scrypt":
             raise ValueError(f"version {data['version']!r}, kdf {data['kdf']!r} unknown")
         n, r, p = data["n"], data["r"], data["p"]
-        if not all(isinstance(v, int) and v > 0 for v in (n, r, p)) or n > MAX_SCRYPT_N or n & (n - 1) \
-                or r * p >= 1 << 30:
+        if not all(isinstance(v, int) and v > 0 for v in (n, r, p)) or n < 2 or n & (n - 1) \
+                or 128 * n * r > MAX_SCRYPT_MEMORY or p > MAX_SCRYPT_P:
             raise ValueError(f"implausible scrypt parameters n={n!r} r={r!r} p={p!r}")
         return cls(id=slot_id, created=float(data["created"]), host=str(data["host"]), n=n, r=r, p=p,
                    salt=_unb64(data["salt"]), data=_unb64(data["data"]))
@@ -195,7 +198,7 @@ def unlock(folder: Path, password: str, where: object) -> tuple[Keys, str]:
     for slot in slots:
         try:
             keys = slot.unlock(password)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, MemoryError) as e:
             raise StoreError(f"key file {folder / slot.id} is damaged: {e}") from e
         if keys is not None:
             return keys, slot.id
