@@ -90,7 +90,8 @@ def test_bad_requests_are_refused_without_harm(runtime: Path) -> None:
     [pid] = _spawner_pids(runtime)
     good = {"target": "commit", "args": [], "version": spawner.PROTOCOL, "code": spawner.code_version()}
     for bad in (b"not json", b"[]", *(json.dumps({**good, **change}).encode() for change in (
-            {"target": "rm -rf /"}, {"args": "x"}, {"version": 99}))):
+            {"target": "rm -rf /"}, {"args": "x"}, {"version": 99},
+            {"password": {"LD_PRELOAD": "/tmp/x.so"}}))):  # only the store password's variables
         with connect_unix(runtime / spawner.SOCKET, timeout=10) as sock:
             sock.sendall(bad + b"\n")
             try:

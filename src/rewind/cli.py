@@ -576,12 +576,40 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
 
 
 def _store(store_dir: str | None) -> Store:
-    """The store, with every checkpoint still being stored in it (see engine/pending.py)."""
+    """The store, with every checkpoint still being stored in it (see engine/pending.py). An
+    encrypted one's password is asked for on the terminal when the environment has none."""
     from rewind.sandbox import open_store
 
     engine = _engine()
     engine.settle()
-    return open_store(engine.home, store_dir)
+    return open_store(engine.home, store_dir, password=_ask_password("store password"))
+
+
+def _ask_password(prompt: str, confirm: bool = False) -> Callable[[], str]:
+    """A function that asks for a password on the terminal (twice with `confirm`); with no
+    terminal, it says where else a password can come from."""
+    def ask() -> str:
+        import getpass
+
+        from rewind.store.errors import WrongPassword
+
+        if not sys.stdin.isatty():
+            raise WrongPassword(f"no terminal to ask for the {prompt} on: set REWIND_PASSWORD_FILE "
+                                "or REWIND_PASSWORD (REWIND_NEW_PASSWORD_FILE or REWIND_NEW_PASSWORD "
+                                "for a new key's)")
+        said = getpass.getpass(f"{prompt}: ")
+        if confirm and getpass.getpass(f"{prompt} again: ") != said:
+            raise InvalidArgument("the two passwords differ")
+        return said
+    return ask
+
+
+def _new_password() -> str:
+    """A new key's password: $REWIND_NEW_PASSWORD_FILE, else $REWIND_NEW_PASSWORD, else asked for."""
+    path = os.environ.get("REWIND_NEW_PASSWORD_FILE")
+    if path:
+        return Path(path).read_text().removesuffix("\n")
+    return os.environ.get("REWIND_NEW_PASSWORD") or _ask_password("new password", confirm=True)()
 
 
 def _is_file(text: str) -> bool:
@@ -864,6 +892,104 @@ def gc(store_dir: str | None, as_json: bool) -> None:
 @cli.group(name="store")
 def store_group() -> None:
     """The checkpoint store."""
+
+
+@store_group.command(name="init")
+@click.option("--encrypt", is_flag=True,
+              help="Encrypt everything it keeps (password: $REWIND_PASSWORD_FILE, $REWIND_PASSWORD, "
+                   "else asked for).")
+@click.option("--chunk-size", default=None, help="Default chunk size of its blobs (e.g. 256K) [256K].")
+@store_option
+@json_option
+def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_json: bool) -> None:
+    """Make a checkpoint store (folders only, for --encrypt)."""
+    from rewind.store import DEFAULT_CHUNK_SIZE, Store
+    from rewind.store.backends import is_remote
+
+    _local_only("store init")
+    spec = store_dir or os.environ.get("REWIND_STORE") or str(_engine().home.store)
+    if not is_remote(spec) and (Path(spec) / "config.json").exists():
+        raise InvalidArgument(f"there is a checkpoint store at {spec} already")
+    size = DEFAULT_CHUNK_SIZE if chunk_size is None else _parse_bytes(chunk_size)
+    store = Store.open(spec, create=True, chunk_size=size, encrypt=encrypt,
+                       password=_ask_password("password of the new store", confirm=True))
+    if as_json:
+        emit_json({"store": str(store.root), "encrypted": store.encrypted, "key": store.key_id})
+    else:
+        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {store.root}")
+
+
+def _parse_bytes(text: str) -> int:
+    """'262144', '256K', '1M' -> bytes."""
+    m = re.fullmatch(r"(\d+)\s*([KM]?)i?B?", text.strip(), re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 256K, 1M)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20}[m.group(2).upper()]
+
+
+@store_group.group(name="key")
+def store_key() -> None:
+    """The keys (passwords) of an encrypted store."""
+
+
+@store_key.command(name="list")
+@store_option
+@json_option
+def store_key_list(store_dir: str | None, as_json: bool) -> None:
+    """The key files that open the store; * marks the one this password opened."""
+    store = _keyed_store(store_dir)
+    slots = store.key_slots()
+    if as_json:
+        emit_json([{"id": s.id, "created": s.created, "host": s.host, "current": s.id == store.key_id,
+                    "scrypt": {"n": s.n, "r": s.r, "p": s.p}} for s in slots])
+        return
+    for slot in slots:
+        mark = "*" if slot.id == store.key_id else " "
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(slot.created))
+        click.echo(f"{mark} {slot.id}  {when}  {slot.host}")
+
+
+@store_key.command(name="add")
+@store_option
+@json_option
+def store_key_add(store_dir: str | None, as_json: bool) -> None:
+    """Add a key with a new password ($REWIND_NEW_PASSWORD_FILE, $REWIND_NEW_PASSWORD, else asked for)."""
+    store = _keyed_store(store_dir)
+    key_id = store.add_key(_new_password())
+    emit_json({"id": key_id}) if as_json else click.echo(f"added key {key_id}")
+
+
+@store_key.command(name="remove")
+@click.argument("key_id")
+@store_option
+@json_option
+def store_key_remove(key_id: str, store_dir: str | None, as_json: bool) -> None:
+    """Remove key KEY_ID (not the last one)."""
+    store = _keyed_store(store_dir)
+    store.remove_key(key_id)
+    emit_json({"removed": key_id}) if as_json else click.echo(f"removed key {key_id}")
+
+
+@store_key.command(name="passwd")
+@store_option
+@json_option
+def store_key_passwd(store_dir: str | None, as_json: bool) -> None:
+    """Change the password of the key this password opens (a new key is written first)."""
+    store = _keyed_store(store_dir)
+    old = store.key_id
+    new = store.change_password(_new_password())
+    if as_json:
+        emit_json({"added": new, "removed": old})
+    else:
+        click.echo(f"password changed: key {new} replaces key {old}")
+
+
+def _keyed_store(store_dir: str | None) -> Store:
+    _local_only("store key")
+    store = _store(store_dir)
+    if not store.encrypted:
+        raise InvalidArgument(f"the checkpoint store at {store.root} is not encrypted: it has no keys")
+    return store
 
 
 @store_group.command(name="check")
@@ -1186,7 +1312,9 @@ def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
     spec = os.environ.get("REWIND_STORE") or str(engine.home.store)
     if not is_remote(spec):
         made = (Path(spec) / "config.json").exists()
-        return {"store": spec, "store_status": "a folder on this host" + ("" if made else ", not made yet")}
+        encrypted = (Path(spec) / "keys").is_dir()  # format 3 (docs/format.md §2.11)
+        return {"store": spec, "store_status": "a folder on this host" + (", encrypted" if encrypted else "")
+                + ("" if made else ", not made yet")}
     try:
         store = Store.open(spec, create=True, home=engine.home.root)
     except StoreError as e:

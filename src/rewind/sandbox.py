@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from rewind.guard.userrules import UserRules
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, HistoryEntry, Store
+    from rewind.store.crypto import PasswordSource
 
 __all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "TreeCopy", "try_in_copy"]
 
@@ -87,11 +88,15 @@ def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
     return [Checkpoint.of(e, f"~{i}") for i, e in enumerate([manifest.entry(), *manifest.history])]
 
 
-def open_store(home: Home, store: str | os.PathLike[str] | None) -> Store:
-    """The store named (a folder or s3://bucket/prefix), else $REWIND_STORE, else the home's."""
+def open_store(home: Home, store: str | os.PathLike[str] | None, password: PasswordSource = None) -> Store:
+    """The store named (a folder or s3://bucket/prefix), else $REWIND_STORE, else the home's.
+    An encrypted one takes its password from `password`, else $REWIND_PASSWORD_FILE, else
+    $REWIND_PASSWORD (Store.open): every process of the home that opens it (its committers
+    too) needs one of those."""
     from rewind.store import Store
 
-    return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root)
+    return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root,
+                      password=password)
 
 Command = str | list[str]
 MAX_CONTEXT = 64 * 1024

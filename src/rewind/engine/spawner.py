@@ -54,6 +54,11 @@ MAX_FDS = 8
 MAX_REQUEST = 1 << 16
 
 
+# Where an encrypted store's password comes from (store/crypto.py's password_from_env); not
+# imported from there, which would load the cipher library into every spawner.
+PASSWORD_ENV = ("REWIND_PASSWORD_FILE", "REWIND_PASSWORD")
+
+
 @dataclass(frozen=True)
 class Request:
     """One child to start: TARGETS[target] run with sys.argv = [target, *args]. File
@@ -68,6 +73,9 @@ class Request:
     code: str = ""  # the caller's code_version(): a spawner running other code must not serve it
     # The caller's crashpoints.environment(): the child is armed as a fresh process would be.
     crash: dict[str, str] = field(default_factory=dict)
+    # The caller's store password variables: a committer opens an encrypted store with the
+    # password of the process that asked for it, not of whichever one started the spawner.
+    password: dict[str, str] = field(default_factory=dict)
     version: int = PROTOCOL
 
     @classmethod
@@ -82,13 +90,17 @@ class Request:
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("bad request arguments")
         cwd, nice, crash = data.get("cwd", "/"), data.get("nice", 0), data.get("crash", {})
+        password = data.get("password", {})
         if not isinstance(cwd, str) or not isinstance(nice, int):
             raise ValueError("bad request cwd or nice")
         if not isinstance(crash, dict) or set(crash) - set(crashpoints.environment()) or \
                 not all(isinstance(v, str) for v in crash.values()):
             raise ValueError("bad request crash settings")
+        if not isinstance(password, dict) or set(password) - set(PASSWORD_ENV) or \
+                not all(isinstance(v, str) for v in password.values()):
+            raise ValueError("bad request password settings")
         return cls(target=data["target"], args=args, cwd=cwd, nice=nice, wait=data.get("wait") is True,
-                   code=data["code"], crash=crash)
+                   code=data["code"], crash=crash, password=password)
 
 
 class StaleSpawner(Exception):
@@ -155,7 +167,8 @@ def spawn(runtime: Path, request: Request, fds: tuple[int, ...] = ()) -> Spawned
                 if time.monotonic() > deadline or (starting.poll() not in (None, 0)):
                     return None
                 time.sleep(0.02)
-    request = replace(request, code=code_version(), crash=crashpoints.environment())
+    request = replace(request, code=code_version(), crash=crashpoints.environment(),
+                      password={name: os.environ.get(name, "") for name in PASSWORD_ENV})
     try:
         conn.settimeout(10)
         socket.send_fds(conn, [json.dumps(asdict(request)).encode() + b"\n"], list(fds))
@@ -277,6 +290,7 @@ def _run_child(conn: socket.socket, request: Request) -> None:
             conn.close()
         sys.argv = [request.target, *request.args]
         os.environ.update(request.crash)
+        os.environ.update(request.password)
         # What the target forks (a filter's daemon half) must not hold this connection: the
         # caller reads it until this process reports.
         os.register_at_fork(after_in_child=conn.close)

@@ -3,9 +3,10 @@ pool of threads. Durable file writes are in durable.py."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -39,8 +40,9 @@ def encode_chunk(data: bytes) -> bytes:
     return _codec()[0].compress(data)
 
 
-def decode_chunk(h: str, stored: bytes) -> bytes:
-    """A stored chunk's bytes, checked against its hash; CorruptChunk if anything is off."""
+def decode_chunk(h: str, stored: bytes, hasher: Callable[[bytes], str] = chunk_hash) -> bytes:
+    """A stored chunk's bytes, checked against its hash (`hasher`: an encrypted store's is
+    keyed); CorruptChunk if anything is off."""
     try:
         size = zstandard.frame_content_size(stored)
         if not 0 <= size <= MAX_CHUNK_SIZE:  # never trust a damaged header's size to allocate
@@ -48,9 +50,26 @@ def decode_chunk(h: str, stored: bytes) -> bytes:
         data = _codec()[1].decompress(stored)
     except zstandard.ZstdError as e:
         raise CorruptChunk(f"chunk {h} is damaged: it does not decompress ({e})") from e
-    if chunk_hash(data) != h:
+    if hasher(data) != h:
         raise CorruptChunk(f"chunk {h} is damaged: its content does not match its hash")
     return data
+
+
+class PlainChunks:
+    """How a plain store names, codes and checks chunks (an encrypted store's: crypto.py)."""
+
+    def hash(self, data: bytes | memoryview) -> str:
+        return chunk_hash(data)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (one codec, a handful of sizes)
+    def zeros_hash(self, n: int) -> str:
+        return chunk_hash(bytes(n))
+
+    def encode(self, data: bytes | memoryview) -> bytes:
+        return encode_chunk(data)
+
+    def decode(self, h: str, stored: bytes) -> bytes:
+        return decode_chunk(h, stored)
 
 
 @contextmanager

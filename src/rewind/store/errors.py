@@ -30,6 +30,10 @@ class CheckpointExists(StoreError, AlreadyExists):
     """A checkpoint name (or an imported id) that is already taken."""
 
 
+class WrongPassword(StoreError):
+    """An encrypted store's password is wrong or missing: none of its keys opens with it."""
+
+
 class BadExport(StoreError):
     """An export file that is truncated, damaged, or not an export at all."""
 

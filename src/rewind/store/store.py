@@ -13,6 +13,8 @@ Layout of a store directory (docs/format.md is the contract):
     checkpoints/<id>.json       a manifest (model.py), written last and atomically
     locks/                      store.lock (flock) and the holders' notes (locks.py)
     tmp/                        files being written; what a crash leaves here, gc removes
+    keys/<16 hex>               an encrypted store's key files (format 3, crypto.py): then every
+                                chunk and manifest is sealed and chunks are named by keyed BLAKE3
 
 Discipline after restic's repository: files are written to tmp/, made durable and only then
 renamed into place, so a crash leaves nothing half-visible. A blob's new chunks go into packs
@@ -26,7 +28,6 @@ operations.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import mmap
 import os
@@ -42,7 +43,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from rewind.errors import InvalidArgument
 from rewind.store import model
@@ -50,14 +51,19 @@ from rewind.store.backends import is_remote
 from rewind.store.disk import (
     MAX_CHUNK_SIZE,
     WORKERS,
-    chunk_hash,
-    decode_chunk,
-    encode_chunk,
+    PlainChunks,
     worker_pool,
 )
 from rewind.store.durable import fsync_dir, fsync_fd, os_errors, write_tmp
-from rewind.store.errors import BadRef, CheckpointExists, CorruptChunk, StoreError, UnknownCheckpoint
-from rewind.store.locks import live_holders, names_lock, store_lock
+from rewind.store.errors import (
+    BadRef,
+    CheckpointExists,
+    CorruptChunk,
+    StoreBusy,
+    StoreError,
+    UnknownCheckpoint,
+)
+from rewind.store.locks import held_file, live_holders, names_lock, store_lock
 from rewind.store.model import (
     BACK_REF,
     DEFAULT_HISTORY,
@@ -70,6 +76,9 @@ from rewind.store.model import (
 )
 from rewind.store.packs import Packer, PackIndex, read_index
 
+if TYPE_CHECKING:
+    from rewind.store.crypto import Keys, KeySlot, PasswordSource, SealedChunks
+
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Chunks go to the hashing threads in batches of this many bytes: submitting a task per
 # 64 KiB chunk took 0.2 s of a 1 GiB commit's main thread (17,000 of them).
@@ -78,7 +87,11 @@ MANIFESTS_KEPT = 4  # manifests a Store keeps parsed (each some MB of objects at
 # Store format: 2 adds packs/ (format 1 stores are upgraded when opened: their loose chunks
 # stay as they are). Manifests keep their own format (model.FORMAT).
 STORE_FORMAT = 2
+# Format 3 is format 2 encrypted (crypto.py): keys/ holds its key files, and every object is
+# sealed. Plain stores stay at format 2.
+ENCRYPTED_FORMAT = 3
 _DIRS = ("chunks", "packs", "checkpoints", "locks", "tmp")
+_PLAIN = PlainChunks()
 _HEX = re.compile(r"[0-9a-fA-F]+")
 
 _Stored = tuple[int, str | None, bytes | None]  # a chunk's place, hash (None: zeros), frame if new
@@ -118,8 +131,16 @@ def new_checkpoint_id() -> str:
 class Store:
     """A checkpoint store directory. Get one with Store.open()."""
 
-    def __init__(self, root: Path, chunk_size: int, lock_timeout: float) -> None:
+    def __init__(self, root: Path, chunk_size: int, lock_timeout: float, keys: Keys | None = None,
+                 key_id: str | None = None) -> None:
         self.root = root
+        # An encrypted store's keys, and the key file that opened them (None: a plain store).
+        self.keys, self.key_id = keys, key_id
+        self.codec: PlainChunks | SealedChunks = _PLAIN
+        if keys is not None:
+            from rewind.store.crypto import SealedChunks
+
+            self.codec = SealedChunks(keys)
         self.chunk_size = chunk_size
         self.lock_timeout = lock_timeout
         self._tmp = root / "tmp"
@@ -134,38 +155,56 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r}, chunk_size={self.chunk_size})"
 
+    @property
+    def encrypted(self) -> bool:
+        return self.keys is not None
+
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             lock_timeout: float | None = None, home: os.PathLike[str] | None = None) -> Store:
+             lock_timeout: float | None = None, home: os.PathLike[str] | None = None,
+             encrypt: bool = False, password: PasswordSource = None) -> Store:
         """Open the store at `path`; with create=True, make it first if it is not there
-        (`chunk_size` only matters then). Locks are waited for up to `lock_timeout` s
-        (default: $REWIND_LOCK_TIMEOUT, else 30).
+        (`chunk_size` and `encrypt` only matter then). Locks are waited for up to
+        `lock_timeout` s (default: $REWIND_LOCK_TIMEOUT, else 30).
+
+        An encrypted store (made with encrypt=True) needs its password: `password`, else
+        $REWIND_PASSWORD_FILE's content, else $REWIND_PASSWORD, else what `password` (a
+        function) asks for; WrongPassword if none opens it. A plain store ignores it.
 
         `path` may also be `s3://bucket/prefix`: a store in a bucket, used through a store
         folder on this host as its cache (a CachedStore, cache.py), kept under `home`
-        (default: $REWIND_HOME)."""
+        (default: $REWIND_HOME). Such a store cannot be encrypted yet."""
         if is_remote(path):
             from rewind.store.cache import open_remote
 
+            if encrypt:
+                raise InvalidArgument("a store in a bucket cannot be encrypted yet: use a folder")
             return open_remote(str(path), create, chunk_size, lock_timeout, home)
         # Absolute: the store's path is recorded in journals that committers read from elsewhere.
         root = Path(path).absolute()
+        made: tuple[Keys, str] | None = None
         if not (root / "config.json").exists():
             if not create:
                 raise StoreError(f"there is no checkpoint store at {root}")
-            _create(root, chunk_size)
+            made = _create(root, chunk_size, password if encrypt else False)
         try:
             config = json.loads((root / "config.json").read_bytes())
             version, chunk_size = config["format"], config["chunk_size"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StoreError(f"the checkpoint store at {root} is damaged: "
                              f"config.json is unreadable ({e})") from e
-        if version not in (1, STORE_FORMAT):
+        if version not in (1, STORE_FORMAT, ENCRYPTED_FORMAT):
             raise StoreError(f"the checkpoint store at {root} has format {version!r}, which this rewind "
-                             f"does not know (it knows 1 and {STORE_FORMAT})")
+                             f"does not know (it knows 1 to {ENCRYPTED_FORMAT})")
         if not _valid_chunk_size(chunk_size):
             raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
-        missing = [d for d in _DIRS if not (root / d).is_dir() and (d, version) != ("packs", 1)]
+        if version != ENCRYPTED_FORMAT and (root / "keys").exists():
+            # A writer of the folder may have turned an encrypted store's config back to plain:
+            # never write in the clear beside its sealed objects.
+            raise StoreError(f"the checkpoint store at {root} is damaged: it has key files but its "
+                             f"config.json says format {version}, not {ENCRYPTED_FORMAT}")
+        dirs = (*_DIRS, "keys") if version == ENCRYPTED_FORMAT else _DIRS
+        missing = [d for d in dirs if not (root / d).is_dir() and (d, version) != ("packs", 1)]
         if missing:
             raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
         if version == 1:
@@ -175,8 +214,16 @@ class Store:
         if (root / "remote.json").exists():  # the cache of a store in a bucket
             from rewind.store.cache import CachedStore
 
+            if version == ENCRYPTED_FORMAT:
+                raise StoreError(f"the cache at {root} is damaged: it says it is encrypted")
             return CachedStore.of_folder(root, chunk_size, lock_timeout)
-        return cls(root, chunk_size, lock_timeout)
+        if version != ENCRYPTED_FORMAT:
+            return cls(root, chunk_size, lock_timeout)
+        if made is None:
+            from rewind.store import crypto
+
+            made = crypto.unlock(root / "keys", crypto.password(password, root), root)
+        return cls(root, chunk_size, lock_timeout, keys=made[0], key_id=made[1])
 
     @contextmanager
     def lock(self, exclusive: bool = False, operation: str = "write") -> Iterator[None]:
@@ -184,6 +231,54 @@ class Store:
         put_blob ... commit so that no gc can remove the new, not yet committed chunks."""
         with store_lock(self.root / "locks", exclusive=exclusive, operation=operation,
                         timeout=self.lock_timeout):
+            yield
+
+    # -- keys of an encrypted store ---------------------------------------------------------
+
+    def key_slots(self) -> list[KeySlot]:
+        """The key files that open this store, oldest first."""
+        from rewind.store import crypto
+
+        return crypto.key_slots(self._keys_folder())
+
+    def add_key(self, password: str) -> str:
+        """A new key file that opens this store with `password`; its id."""
+        from rewind.store import crypto
+
+        folder = self._keys_folder()
+        assert self.keys is not None  # checked by _keys_folder
+        with self._keys_lock():
+            return crypto.add_key(folder, self.keys, password)
+
+    def remove_key(self, key_id: str) -> None:
+        """Remove a key file; refuses the last one."""
+        from rewind.store import crypto
+
+        folder = self._keys_folder()
+        with self._keys_lock():
+            crypto.remove_key(folder, key_id)
+
+    def change_password(self, password: str) -> str:
+        """Replace the key file that opened this store by one for `password`: the new one is
+        durable before the old one goes, so a crash between leaves both, never neither."""
+        old = self.key_id
+        new = self.add_key(password)
+        if old is not None:
+            self.remove_key(old)
+        self.key_id = new
+        return new
+
+    def _keys_folder(self) -> Path:
+        if self.keys is None:
+            raise InvalidArgument(f"the checkpoint store at {self.root} is not encrypted: it has no keys")
+        return self.root / "keys"
+
+    @contextmanager
+    def _keys_lock(self) -> Iterator[None]:
+        # Two removals at once must not each see the other's key and leave none.
+        with held_file(self.root / "locks" / "keys.lock", self.lock_timeout) as held:
+            if not held:
+                raise StoreBusy(f"the store at {self.root} is busy: another process is changing its keys")
             yield
 
     # -- adding ---------------------------------------------------------------------------
@@ -337,12 +432,13 @@ class Store:
         """Hash each chunk and, unless it is all zeros or the store has it, compress it:
         (place, hash or None for zeros, frame to write if new)."""
         out: list[_Stored] = []
+        codec = self.codec
         for i, data in batch:
-            h = chunk_hash(data)
-            if h == _zeros_hash(len(data)):
+            h = codec.hash(data)
+            if h == codec.zeros_hash(len(data)):
                 out.append((i, None, None))
             else:
-                out.append((i, h, None if self._has_chunk(h) else encode_chunk(data)))
+                out.append((i, h, None if self._has_chunk(h) else codec.encode(data)))
         return out
 
     def _has_chunk(self, h: str) -> bool:
@@ -407,9 +503,31 @@ class Store:
                              "holding store.lock() until commit")
         return sizes
 
+    def _manifest_bytes(self, manifest: CheckpointManifest) -> bytes:
+        """A manifest's file: compact JSON, sealed in an encrypted store."""
+        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        if self.keys is None:
+            return data
+        from rewind.store.crypto import MANIFEST
+
+        return self.keys.seal(MANIFEST, data)
+
+    def _parse_manifest(self, data: bytes) -> CheckpointManifest:
+        """A manifest from its file; ValueError if it does not parse or (encrypted) is not whole."""
+        if self.keys is not None:
+            from cryptography.exceptions import InvalidTag
+
+            from rewind.store.crypto import MANIFEST
+
+            try:
+                data = self.keys.unseal(MANIFEST, data)
+            except InvalidTag as e:
+                raise ValueError("it fails its authentication") from e
+        return CheckpointManifest.from_json(json.loads(data))
+
     def _write_manifest(self, manifest: CheckpointManifest) -> None:
         """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/."""
-        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        data = self._manifest_bytes(manifest)
         dest = self._manifest_path(manifest.id)
         with names_lock(self.root / "locks", self.lock_timeout) if manifest.name else nullcontext():
             self._check_free(manifest)
@@ -550,7 +668,7 @@ class Store:
         raise CorruptChunk(f"chunk {h} is missing from the store")
 
     def _load_chunk(self, h: str) -> bytes:
-        return decode_chunk(h, self._read_stored(h))
+        return self.codec.decode(h, self._read_stored(h))
 
     def _manifest_path(self, checkpoint_id: str) -> Path:
         return self.root / "checkpoints" / f"{checkpoint_id}.json"
@@ -568,7 +686,7 @@ class Store:
                 if known is not None and known[0] == identity:
                     self._manifests.move_to_end(path.name)
                     return known[1]
-                manifest = CheckpointManifest.from_json(json.loads(f.read()))
+                manifest = self._parse_manifest(f.read())
         except FileNotFoundError as e:
             raise UnknownCheckpoint(f"checkpoint {path.stem[:12]} was deleted meanwhile") from e
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -750,21 +868,39 @@ def _fitting(blobs: dict[str, BlobIndex], history: list[model.HistoryEntry]) -> 
     return kept
 
 
-def _create(root: Path, chunk_size: int) -> None:
+def _create(root: Path, chunk_size: int, encrypt: PasswordSource | bool) -> tuple[Keys, str] | None:
+    """Make a store at `root`; `encrypt` False for a plain one, else where its first key's
+    password comes from (crypto.password). An encrypted one's keys and first key file."""
     if not _valid_chunk_size(chunk_size):
         raise InvalidArgument(f"invalid chunk size {chunk_size!r}: "
                               f"use a multiple of 4096 up to {MAX_CHUNK_SIZE}")
-    if root.exists() and not {p.name for p in root.iterdir()} <= set(_DIRS):
+    if root.exists() and not {p.name for p in root.iterdir()} <= {*_DIRS, "keys"}:
         raise StoreError(f"cannot make a checkpoint store at {root}: it exists and holds other files")
+    made = None
+    if encrypt is not False:
+        from rewind.store import crypto
+
+        secret = crypto.password(encrypt, root)  # asked for before anything is written
     with os_errors(f"make a checkpoint store at {root}"):
         root.mkdir(mode=0o700, parents=True, exist_ok=True)  # guest memory is in it
         for d in _DIRS:
             (root / d).mkdir(parents=True, exist_ok=True)
         for i in range(256):  # made once here, so that adding a chunk never needs a mkdir
             (root / "chunks" / f"{i:02x}").mkdir(exist_ok=True)
-        config = json.dumps({"format": STORE_FORMAT, "chunk_size": chunk_size}).encode()
-        os.rename(write_tmp(root / "tmp", config), root / "config.json")  # last: it marks the store made
+        config = {"format": STORE_FORMAT, "chunk_size": chunk_size}
+        if encrypt is not False:
+            (root / "keys").mkdir(mode=0o700, exist_ok=True)
+            for left in (root / "keys").iterdir():
+                # Keys of a making that died before config.json: nothing was sealed with them, and
+                # one left beside the new one could open with the same password to the wrong keys.
+                left.unlink()
+            keys = crypto.Keys.new()
+            made = keys, crypto.add_key(root / "keys", keys, secret)
+            config = {"format": ENCRYPTED_FORMAT, "chunk_size": chunk_size, "encryption": "aes-256-gcm"}
+        data = json.dumps(config).encode()
+        os.rename(write_tmp(root / "tmp", data), root / "config.json")  # last: it marks the store made
         fsync_dir(root)
+    return made
 
 
 def _upgrade(root: Path, chunk_size: int) -> None:
@@ -823,12 +959,6 @@ def _mapped(f: BinaryIO) -> memoryview | None:
         return memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
     except (OSError, ValueError):
         return None
-
-
-@functools.cache
-def _zeros_hash(n: int) -> str:
-    """The hash of n zero bytes: a chunk that has it is not stored."""
-    return chunk_hash(bytes(n))
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes:

@@ -9,6 +9,11 @@ Layout (integers are big-endian u32):
         n, n bytes              its zstd frame, as stored
     32 bytes                    blake3 of everything before it
 
+An encrypted store's export (magic b"RWNDENC1") has 16 bytes after the magic that tell its
+keys from others (Keys.check_value), its manifest sealed with the store's key, and its chunks'
+keyed names and sealed frames, as stored: only a store opened with a key of the same store
+(the same master keys) imports it.
+
 Every chunk the manifest or its history uses is in the file, so it restores into an empty
 store. Import writes chunks to tmp/ and moves them into place only once the whole file's
 checksum, every chunk's hash and the manifest have been checked: a bad file adds nothing.
@@ -26,13 +31,15 @@ from typing import BinaryIO
 
 import blake3
 
-from rewind.store.disk import MAX_CHUNK_SIZE, decode_chunk
+from rewind.store.disk import MAX_CHUNK_SIZE
 from rewind.store.durable import create_private, fsync_dir, fsync_fd, os_errors, write_tmp
 from rewind.store.errors import BadExport, CorruptChunk
 from rewind.store.model import CheckpointManifest
 from rewind.store.store import Store
 
 MAGIC = b"RWNDEXP1"
+SEALED_MAGIC = b"RWNDENC1"  # an encrypted store's export
+_CHECK = 16  # the length of the key check that follows SEALED_MAGIC
 _U32 = struct.Struct(">I")
 _MAX_MANIFEST = 1 << 30
 _MAX_FRAME = 2 * MAX_CHUNK_SIZE  # a zstd frame is never much larger than its content
@@ -50,13 +57,11 @@ def export_checkpoint(store: Store, ref: str | CheckpointManifest, out_path: str
         try:
             with create_private(tmp) as f:
                 writer = _Writer(f)
-                body = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
-                writer.write(MAGIC + _U32.pack(len(body)))
-                writer.write(body)
+                writer.write(_header(store, manifest))
                 writer.write(_U32.pack(len(hashes)))
                 for h in hashes:
                     stored = store._read_stored(h)
-                    decode_chunk(h, stored)
+                    store.codec.decode(h, stored)
                     writer.write(bytes.fromhex(h) + _U32.pack(len(stored)))
                     writer.write(stored)
                 f.write(writer.hasher.digest())
@@ -79,9 +84,7 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
         try:
             with open(src, "rb") as f:
                 reader = _Reader(f, src)
-                if f.read(len(MAGIC)) != MAGIC:
-                    raise BadExport(f"{src} is not a rewind checkpoint export")
-                reader.hasher.update(MAGIC)
+                _check_magic(store, reader, src)
                 body = reader.read(reader.length(_MAX_MANIFEST))
                 included = set()
                 for _ in range(reader.u32()):
@@ -90,14 +93,14 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
                     included.add(h)
                     if not store._has_chunk(h):
                         try:
-                            decode_chunk(h, stored)
+                            store.codec.decode(h, stored)
                         except CorruptChunk as e:
                             raise BadExport(f"{src} is damaged: {e}") from e
                         staged.append((write_tmp(store._tmp, stored), store._chunk_path(h)))
                 if f.read(33) != reader.hasher.digest():
                     raise BadExport(f"{src} is damaged or truncated: its checksum does not match its content")
             try:
-                manifest = CheckpointManifest.from_json(json.loads(body))
+                manifest = _manifest(store, body)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise BadExport(f"{src} is damaged: its manifest does not parse ({e})") from e
             for point in (manifest, *manifest.history):
@@ -115,6 +118,49 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)  # gone already if it was moved into place
     return manifest
+
+
+def _header(store: Store, manifest: CheckpointManifest) -> bytes:
+    """What comes before the chunk records: magic (and key check), the manifest's length and it."""
+    body = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+    if store.keys is None:
+        return MAGIC + _U32.pack(len(body)) + body
+    from rewind.store.crypto import EXPORT
+
+    body = store.keys.seal(EXPORT, body)
+    return SEALED_MAGIC + store.keys.check_value() + _U32.pack(len(body)) + body
+
+
+def _check_magic(store: Store, reader: _Reader, src: Path) -> None:
+    """Refuse a file that is no export, or one that this store's keys cannot read."""
+    magic = reader.f.read(len(MAGIC))
+    if magic not in (MAGIC, SEALED_MAGIC):
+        raise BadExport(f"{src} is not a rewind checkpoint export")
+    reader.hasher.update(magic)
+    if magic == MAGIC and store.keys is not None:
+        raise BadExport(f"{src} is a plain export: this store is encrypted, and takes only exports "
+                        "of its own (import it into a plain store)")
+    if magic == SEALED_MAGIC and store.keys is None:
+        raise BadExport(f"{src} is an encrypted export: import it into the encrypted store it came "
+                        "from (or one opened with a key of it)")
+    if magic == SEALED_MAGIC:
+        assert store.keys is not None
+        if reader.read(_CHECK) != store.keys.check_value():
+            raise BadExport(f"{src} is an export of another encrypted store: this store's keys "
+                            "do not open it")
+
+
+def _manifest(store: Store, body: bytes) -> CheckpointManifest:
+    if store.keys is not None:
+        from cryptography.exceptions import InvalidTag
+
+        from rewind.store.crypto import EXPORT
+
+        try:
+            body = store.keys.unseal(EXPORT, body)
+        except InvalidTag as e:
+            raise ValueError("it fails its authentication") from e
+    return CheckpointManifest.from_json(json.loads(body))
 
 
 class _Writer:
