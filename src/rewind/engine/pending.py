@@ -22,7 +22,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rewind import crashpoints
@@ -93,7 +94,7 @@ class PendingCheckpoint:
     # A capture by pages: the pages it copied, as [first, last) page ranges, over the memory
     # file its QEMU mapped (`ram_over`: its inode then, and the checkpoint it is, None for a
     # template's). Until its image is filled, the point runs from that file with those pages.
-    ram_pages: list[list[int]] | None = None
+    ram_pages: Sequence[Sequence[int]] | None = None  # as [first, last) pairs
     ram_over: str | None = None
     ram_over_inode: int | None = None
     ram_over_point: str | None = None
@@ -185,7 +186,9 @@ def record(home: Home, point: PendingCheckpoint) -> None:
     folder = home.root / "pending"
     folder.mkdir(parents=True, exist_ok=True)
     path = journal_path(home, point)
-    replace_durably(path, json.dumps(asdict(point)).encode())
+    # Its fields as they are: asdict() copies every page range one by one, and a daemon's
+    # checkpoints held the interpreter lock for that while /health waited (py-spy).
+    replace_durably(path, json.dumps({f.name: getattr(point, f.name) for f in fields(point)}).encode())
     start_committer(home, path)
 
 

@@ -253,7 +253,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             ram_base=None if changed is None else r.ram_point, ram_changed=changed,
             ram_base_file=r.ram if mapped is not None and r.ram_point is None else None,
             ram_base_inode=mapped if r.ram_point is None else None,
-            ram_pages=None if cap.written is None or mapped is None else [list(run) for run in cap.written],
+            ram_pages=None if cap.written is None or mapped is None else cap.written,
             ram_over=r.ram, ram_over_inode=mapped, ram_over_point=r.ram_point)
         pending.record(home, point)
         if live:
