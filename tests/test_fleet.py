@@ -2,7 +2,7 @@
 nodes on this machine, each with its own rewind home), sharing one store in a bucket served
 by rclone on 127.0.0.1. Real QEMU guests.
 
-It takes about a minute on the 2-core host (54 s in session 10; Ray's processes start slowly)."""
+It takes about a minute on the 2-core host (54 s on 2026-12-03, 5b58234; Ray's processes start slowly)."""
 
 from __future__ import annotations
 

@@ -512,15 +512,16 @@ class Store:
 
         return self.keys.seal(MANIFEST, data)
 
-    def _parse_manifest(self, data: bytes) -> CheckpointManifest:
-        """A manifest from its file; ValueError if it does not parse or (encrypted) is not whole."""
+    def _parse_manifest(self, data: bytes, export: bool = False) -> CheckpointManifest:
+        """A manifest from its file (`export`: from an export file's body, sealed as such);
+        ValueError if it does not parse or (encrypted) is not whole."""
         if self.keys is not None:
             from cryptography.exceptions import InvalidTag
 
-            from rewind.store.crypto import MANIFEST
+            from rewind.store.crypto import EXPORT, MANIFEST
 
             try:
-                data = self.keys.unseal(MANIFEST, data)
+                data = self.keys.unseal(EXPORT if export else MANIFEST, data)
             except InvalidTag as e:
                 raise ValueError("it fails its authentication") from e
         return CheckpointManifest.from_json(json.loads(data))

@@ -100,7 +100,7 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
                 if f.read(33) != reader.hasher.digest():
                     raise BadExport(f"{src} is damaged or truncated: its checksum does not match its content")
             try:
-                manifest = _manifest(store, body)
+                manifest = store._parse_manifest(body, export=True)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise BadExport(f"{src} is damaged: its manifest does not parse ({e})") from e
             for point in (manifest, *manifest.history):
@@ -148,19 +148,6 @@ def _check_magic(store: Store, reader: _Reader, src: Path) -> None:
         if reader.read(_CHECK) != store.keys.check_value():
             raise BadExport(f"{src} is an export of another encrypted store: this store's keys "
                             "do not open it")
-
-
-def _manifest(store: Store, body: bytes) -> CheckpointManifest:
-    if store.keys is not None:
-        from cryptography.exceptions import InvalidTag
-
-        from rewind.store.crypto import EXPORT
-
-        try:
-            body = store.keys.unseal(EXPORT, body)
-        except InvalidTag as e:
-            raise ValueError("it fails its authentication") from e
-    return CheckpointManifest.from_json(json.loads(body))
 
 
 class _Writer:
