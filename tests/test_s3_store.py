@@ -206,7 +206,9 @@ def test_a_server_stopped_mid_upload_leaves_the_point_here_and_the_upload_resume
         uploader.join()
         assert failed and isinstance(failed[0], RemoteUnavailable), failed
         assert "does not answer" in str(failed[0])
-        sent_before = len(server.chunk_files())
+        # rclone 1.74 writes a PUT in place: the one cut short is there, shorter.
+        sizes = a._chunk_sizes(a.get("big").all_hashes())
+        sent_before = sum(p.stat().st_size == sizes[p.name] for p in server.chunk_files())
         assert 0 < sent_before < 128
         assert a.queued() == [point] and _content(a, "big", tmp_path / "here") == data  # intact here
 

@@ -92,7 +92,8 @@ class RcloneS3:
             self.proc = None
 
     def chunk_files(self) -> list[Path]:
-        """The chunk objects in the bucket, as files in the folder (whole ones only)."""
+        """The chunk objects in the bucket, as files in the folder (a PUT cut short leaves
+        a shorter one)."""
         return [p for p in (self.folder / self.bucket).glob("**/chunks/*/*") if len(p.name) == 64]
 
 

@@ -218,15 +218,18 @@ class CachedStore(Store):
             return report
         with remote_lock(self.objects, exclusive=False, operation="upload",
                          timeout=self.lock_timeout) as held:
-            there = {info.key.rsplit("/", 1)[-1] for info in self.objects.list("chunks/")}
+            # An object of another size is a PUT cut short on a server that does not write
+            # atomically (rclone 1.74's serve s3 is one): it is sent again.
+            there = {info.key.rsplit("/", 1)[-1]: info.size for info in self.objects.list("chunks/")}
             for checkpoint_id in queued:
                 began = time.monotonic()
                 manifest = self._queued_manifest(checkpoint_id, report)
                 if manifest is None:
                     continue
-                need = sorted(manifest.all_hashes() - there)
+                sizes = self._chunk_sizes(manifest.all_hashes())
+                need = sorted(h for h, size in sizes.items() if there.get(h) != size)
                 sent = sum(_parallel(self._send_chunk, need))
-                there.update(need)
+                there.update((h, sizes[h]) for h in need)
                 held.check()
                 if manifest.name is not None and not self._claim_name(manifest, report):
                     continue

@@ -122,7 +122,7 @@ class S3Objects:
 
     def conditional_writes(self) -> bool:
         """Found out once per client: a probe object is written twice, the second time with
-        If-None-Match: *. rclone 1.75's `serve s3` ignores the header and overwrites."""
+        If-None-Match: *. rclone 1.74's `serve s3` ignores the header and overwrites."""
         if self._conditional is None:
             probe = f"locks/probe-{os.getpid()}-{id(self):x}"
             self.put(probe, b"1")
