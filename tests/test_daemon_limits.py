@@ -1,13 +1,16 @@
 """A daemon on a full host and with abandoned machines, against a real `rewind serve` and real
 guests: its budget answers 429 with Retry-After and everything within it works; a machine's
-time to live stops it, or checkpoints it into a point that runs."""
+time to live stops it, or checkpoints it into a point that runs; the thread that answers
+requests runs before the machines it starts."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -16,6 +19,8 @@ from invariants import wait_until
 from serving import home_env
 
 from rewind import Home, Sandbox
+from rewind.bench.load import processes_naming
+from rewind.serve.api import LOOP_NICE
 from rewind.serve.process import serve_process
 
 TOKEN_HEADER = "Authorization"
@@ -106,3 +111,28 @@ def test_expire_acts_once_without_a_daemon(home: Home) -> None:
     assert Sandbox.list(home=home) == []
     bad = rewind_cli("start", "x", "--ttl", "soon", env=home_env(home))
     assert bad.returncode == 2 and b"not a duration" in bad.stderr
+
+
+def _nices(pid: int) -> dict[int, int]:
+    """The nice value of each thread of process `pid`, by thread id."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        found[int(task.name)] = int(fields[16])  # stat's field 19, counted after the name
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root or CAP_SYS_NICE")
+def test_the_event_loop_runs_first_and_the_machines_it_starts_at_the_usual_priority(
+        daemon: httpx2.Client) -> None:
+    [server] = processes_naming(f"--port\0{daemon.base_url.port}\0")
+    _created(daemon, name="prio")
+    try:
+        qemu = daemon.get("/machines/prio").json()["pid"]
+        assert daemon.post("/machines/prio/exec", json={"cmd": "true"}).status_code == 200
+        threads = _nices(server)
+        assert threads[server] == LOOP_NICE  # the main thread runs the event loop
+        assert set(threads.values()) == {LOOP_NICE, 0}  # the threadpool's started again at 0
+        assert set(_nices(qemu).values()) == {0}
+    finally:
+        assert daemon.delete("/machines/prio").status_code == 204

@@ -8,6 +8,7 @@ are done, nothing is left (machines, QEMUs, memory files)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -18,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,7 @@ class Phase:
     bad: list[str] = field(default_factory=list)  # answers that were neither 2xx nor 429/503 with Retry-After
     latency_ms: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPS})
     health_ms: list[float] = field(default_factory=list)
+    health_in_daemon_ms: list[float] = field(default_factory=list)  # from its request log
     peak_rss_mib: float = 0.0  # the daemon and the QEMUs of its home, summed
     peak_shm_mib: float = 0.0
     left: list[str] = field(default_factory=list)
@@ -54,9 +57,8 @@ class Phase:
                 "statuses": dict(self.statuses), "bad": self.bad[:10],
                 "latency_ms": {op: {"p50": pct(v, 50), "p99": pct(v, 99), "n": len(v)}
                                for op, v in self.latency_ms.items()},
-                "health_ms": {"p50": pct(self.health_ms, 50), "p99": pct(self.health_ms, 99),
-                              "max": round(max(self.health_ms), 1) if self.health_ms else None,
-                              "n": len(self.health_ms)},
+                "health_ms": _spread(self.health_ms, pct),
+                "health_in_daemon_ms": _spread(self.health_in_daemon_ms, pct),
                 "peak_rss_mib": round(self.peak_rss_mib), "peak_shm_mib": round(self.peak_shm_mib),
                 "left": self.left}
 
@@ -90,6 +92,22 @@ def _client(url: str, token: str, n: int, phase: Phase, until: float) -> None:
                 _call(http, phase, "restore", "POST", f"/machines/{name}/restore", json=ref)
             _call(http, phase, "delete", "DELETE", f"/machines/{name}")
             phase.rounds += 1
+
+
+def _spread(values: list[float], pct: Callable[[list[float], int], float | None]) -> dict:
+    return {"p50": pct(values, 50), "p99": pct(values, 99),
+            "max": round(max(values), 1) if values else None, "n": len(values)}
+
+
+def _health_in_daemon(log: Path) -> list[float]:
+    """Each /health's time from request to answer inside the daemon (its JSON request log)."""
+    times = []
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, AttributeError):
+            entry = json.loads(line)
+            if entry.get("path") == "/health" and isinstance(entry.get("ms"), int | float):
+                times.append(float(entry["ms"]))
+    return times
 
 
 def _probe(url: str, seconds: float, out: multiprocessing.connection.Connection) -> None:
@@ -169,6 +187,7 @@ def run_phase(home: Home, clients: int, seconds: float, log: Path) -> Phase:
             phase.statuses["health_unreachable"] += len(probed) - len(phase.health_ms)
         with httpx2.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as http:
             phase.left += [f"machine {m['name']}" for m in http.get("/machines").json()]
+    phase.health_in_daemon_ms = _health_in_daemon(log)
     close_home(home)
     phase.left += [f"process {pid}" for pid in processes_naming(str(home.root))]
     if home.runtime.exists() and any(home.runtime.iterdir()):

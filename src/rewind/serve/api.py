@@ -622,6 +622,25 @@ def read_token(token_file: str | None, no_auth: bool, host: str,
     return default_token(home.serve_token), home.serve_token
 
 
+# scripts/load, 12 and 24 clients on 2 cores, /health's time inside the daemon: p99 75-84 ms
+# at the defaults; 24-65 ms with the event loop's thread at nice -10 and a 1 ms switch interval.
+LOOP_NICE = -10
+SWITCH_INTERVAL_S = 0.001
+
+
+def _favour_event_loop() -> None:
+    """Let the thread that answers requests run first when it wakes: 8 machines under TCG
+    keep both cores busy, and /health waited in the run queue and for the GIL. Its threads and
+    children (the threadpool, QEMUs, helpers) start again at nice 0 (SCHED_RESET_ON_FORK).
+    Without the right to raise a priority (not root, no CAP_SYS_NICE) it stays as it was."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOOP_NICE)
+    except PermissionError:
+        pass
+
+
 def serve(service: Service, host: str, port: int, token: str | None, policy: AccessPolicy,
           token_path: Path | None = None) -> None:
     """Run the API until interrupted. The socket is bound first, so a port in use is one clear error."""
@@ -646,6 +665,7 @@ def serve(service: Service, host: str, port: int, token: str | None, policy: Acc
               f"REWIND_URL={url} rewind ls (a daemon on loopback lends its token to this home's CLI), "
               f"elsewhere: REWIND_TOKEN=$(cat {token_path})", file=sys.stderr, flush=True)
     log_as_json_lines()
+    _favour_event_loop()
     config = uvicorn.Config(create_app(service, token, policy), log_level="warning", lifespan="on",
                             log_config=None)
     uvicorn.Server(config).run(sockets=[sock])
