@@ -20,7 +20,6 @@ from serving import home_env
 
 from rewind import Home, Sandbox
 from rewind.bench.load import processes_naming
-from rewind.serve.api import LOOP_NICE
 from rewind.serve.process import serve_process
 
 TOKEN_HEADER = "Authorization"
@@ -113,26 +112,28 @@ def test_expire_acts_once_without_a_daemon(home: Home) -> None:
     assert bad.returncode == 2 and b"not a duration" in bad.stderr
 
 
-def _nices(pid: int) -> dict[int, int]:
-    """The nice value of each thread of process `pid`, by thread id."""
+def _policies(pid: int) -> dict[int, tuple[int, int]]:
+    """The scheduling policy (without its reset-on-fork flag) and nice value of each thread
+    of process `pid`, by thread id."""
     found = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        found[int(task.name)] = int(fields[16])  # stat's field 19, counted after the name
+        policy = os.sched_getscheduler(int(task.name)) & ~os.SCHED_RESET_ON_FORK
+        found[int(task.name)] = (policy, int(fields[16]))  # stat's field 19: nice
     return found
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root or CAP_SYS_NICE")
-def test_the_event_loop_runs_first_and_the_machines_it_starts_at_the_usual_priority(
+@pytest.mark.skipif(os.geteuid() != 0, reason="a real-time priority needs root or CAP_SYS_NICE")
+def test_the_event_loop_runs_first_and_the_machines_it_starts_as_normal_threads(
         daemon: httpx2.Client) -> None:
     [server] = processes_naming(f"--port\0{daemon.base_url.port}\0")
     _created(daemon, name="prio")
     try:
         qemu = daemon.get("/machines/prio").json()["pid"]
         assert daemon.post("/machines/prio/exec", json={"cmd": "true"}).status_code == 200
-        threads = _nices(server)
-        assert threads[server] == LOOP_NICE  # the main thread runs the event loop
-        assert set(threads.values()) == {LOOP_NICE, 0}  # the threadpool's started again at 0
-        assert set(_nices(qemu).values()) == {0}
+        threads = _policies(server)
+        assert threads.pop(server)[0] == os.SCHED_RR  # the main thread runs the event loop
+        assert threads and set(threads.values()) == {(os.SCHED_OTHER, 0)}  # the threadpool
+        assert set(_policies(qemu).values()) == {(os.SCHED_OTHER, 0)}
     finally:
         assert daemon.delete("/machines/prio").status_code == 204
