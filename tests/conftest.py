@@ -13,7 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,28 @@ from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.machine import Engine
 from rewind.engine.qemu import process_alive
 from rewind.image import build_image
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs the built image runs guests: mark it `guest` (`-m "not guest"` is the
+    quick tier). Tests that start QEMU some other way carry the mark themselves."""
+    for item in items:
+        if "images_dir" in item.fixturenames:
+            item.add_marker(pytest.mark.guest)
+
+
+@pytest.fixture(autouse=True)
+def _qemu_only_in_guest_tests(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside `guest` tests, REWIND_QEMU names a QEMU that refuses to run and says why, so a
+    test that starts one unmarked fails at once instead of slowing the quick tier."""
+    if request.node.get_closest_marker("guest") is not None:
+        return
+    refuse = tmp_path_factory.getbasetemp() / "qemu-not-in-this-tier"
+    if not refuse.exists():
+        refuse.write_text("#!/bin/sh\necho 'this test starts QEMU: mark it guest' >&2\nexit 1\n")
+        refuse.chmod(0o755)
+    monkeypatch.setenv("REWIND_QEMU", str(refuse))
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +88,15 @@ def shared_home(tmp_path_factory: pytest.TempPathFactory, images_dir: Path) -> I
 def sbx(shared_home: Home) -> Sandbox:
     """One machine shared by a module's tests that do not care about a pristine guest."""
     return Sandbox.create("shared", home=shared_home)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30.0,
+               every: float = 0.05) -> None:
+    """Return once `condition()` is true; fail, naming `what`, if it is not within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(every)
 
 
 def rewind_cli(*args: str, env: dict[str, str] | None = None, input: bytes | None = None,

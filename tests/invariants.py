@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from conftest import alive, processes_using, rewind_cli
+from conftest import alive, processes_using, rewind_cli, wait_until
 
 from rewind import Home
 from rewind.engine import pending
@@ -26,13 +25,6 @@ def ok(*args: str) -> str:
     done = rewind_cli(*args)
     assert done.returncode == 0, f"`rewind {' '.join(args)}`: {done.stderr.decode()}"
     return done.stdout.decode()
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = SETTLE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.05)
 
 
 def assert_home_whole(home: Home, keep: list[str], probed: set[str]) -> None:

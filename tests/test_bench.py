@@ -6,6 +6,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 from conftest import rewind_cli
 
 from rewind import Home
@@ -32,6 +33,7 @@ WORK = {f"work_{step}_x" for step in WORK_STEPS} | {"work_median_x"}
 EXPECTED |= WORK
 
 
+@pytest.mark.slow  # over 30 s here
 def test_quick_bench_reports_everything(home: Home, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = rewind_cli("bench", "--quick", "--json", str(out), timeout=900)

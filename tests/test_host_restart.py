@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import alive, processes_using, rewind_cli
+from conftest import alive, processes_using, rewind_cli, wait_until
 
 from rewind import Home, Sandbox
 from rewind.engine import pending
@@ -27,10 +27,8 @@ def _restart_host(home: Home) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, "a process of the home outlived SIGKILL"
-        time.sleep(0.01)
+    wait_until(lambda: not any(alive(pid) for pid in pids), "the home's processes ending on SIGKILL",
+               timeout=10, every=0.01)
     shutil.rmtree(home.runtime)
 
 

@@ -175,6 +175,7 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
     assert sbx.exec("true").exit_code == 0
 
 
+@pytest.mark.slow  # over 30 s here
 def test_an_agent_that_never_answers_holds_no_call_past_its_deadline(
         home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its ports open, the host's hellos unanswered: a command with a timeout ends at the same

@@ -140,6 +140,7 @@ def builder(shared_home: Home) -> Iterator[Builder]:
     made.remove_all()
 
 
+@pytest.mark.slow  # over 30 s here
 def test_a_debian_image_from_a_dockerfile_runs(shared_home: Home, builder: Builder, tmp_path: Path) -> None:
     # FROM an image made here: an mmdebstrap root imported into the builder (no registry).
     root = tmp_path / "debian"

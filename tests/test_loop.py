@@ -95,6 +95,7 @@ def test_a_try_copies_a_restored_machine_by_the_pages_it_wrote(home: Home) -> No
     assert again.exec(ASK).stdout.strip() == "2"
 
 
+@pytest.mark.slow  # over 30 s here
 def test_a_point_runs_before_its_image_is_filled(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture by pages copies the pages the guest wrote into the point's image; the rest
     is filled from the file QEMU maps, later. With every fill held back, a restore and a

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from rewind import (
     AgentError,
@@ -126,10 +127,7 @@ def test_delete_leaves_no_process_or_file(home: Home) -> None:
 def test_killed_qemu_is_reported_dead(home: Home) -> None:
     sbx = Sandbox.create("victim", home=home)
     os.kill(sbx.info().pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while sbx.status != "dead" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sbx.status == "dead"
+    wait_until(lambda: sbx.status == "dead", "the machine reported dead", timeout=10)
     assert [i.status for i in (s.info() for s in Sandbox.list(home=home))] == ["dead"]
     with pytest.raises(MachineDied, match="dead"):
         sbx.exec("true")
@@ -263,9 +261,7 @@ def test_the_agent_restarts_with_the_guests_python_and_libc_gone(home: Home) -> 
             return sbx.exec("true").exit_code == 127  # the guest's own programs cannot load
         return False
 
-    deadline = time.monotonic() + 30
-    while not libc_gone():
-        assert time.monotonic() < deadline, "the agent did not come back"
+    wait_until(libc_gone, "the agent coming back", every=0)
     assert sbx.files.read_text("/etc/hostname") == "pythonless\n"
     sbx.restore("~0")
     assert sbx.exec("python3 -c 'print(6 * 7)'").stdout == "42\n"
@@ -280,8 +276,5 @@ def test_what_a_guest_prints_on_its_console_is_kept_bounded(sbx: Sandbox) -> Non
     sbx.exec(f"head -c {limit + limit // 2} /dev/zero | tr '\\0' x > /dev/ttyS0; echo the-end > /dev/ttyS0",
              check=True, timeout=300)
     log = sbx._machine.path / "console.log"
-    deadline = time.monotonic() + 30
-    while b"the-end" not in log.read_bytes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert b"the-end" in log.read_bytes()
+    wait_until(lambda: b"the-end" in log.read_bytes(), "the console's last line in console.log")
     assert log.stat().st_size <= limit and (log.parent / "console.log.1").stat().st_size <= limit

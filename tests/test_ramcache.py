@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from rewind.engine import ramcache
 from rewind.store.locks import acquire
@@ -76,10 +77,10 @@ def test_a_start_never_gets_an_image_released_under_it(tmp_path: Path) -> None:
 
     starter = threading.Thread(target=start)
     starter.start()
-    deadline = time.monotonic() + 10
-    while _fds_on(image) < 2:  # the release's, and the start's waiting for its hold
-        assert time.monotonic() < deadline and starter.is_alive(), "the start never opened the image"
-        time.sleep(0.005)
+    # The release's hold, and the start's waiting for its own.
+    wait_until(lambda: _fds_on(image) >= 2 or not starter.is_alive(), "the start opening the image",
+               timeout=10, every=0.005)
+    assert starter.is_alive(), outcome
     image.unlink()
     image.write_bytes(b"\x02" * MIB)  # brought back from the store under the same name
     os.close(release)

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import rewind_cli
 from invariants import assert_home_whole, ok
 
@@ -88,6 +89,7 @@ class Soak:
         return done
 
 
+@pytest.mark.slow  # over 30 s here
 def test_concurrent_commands_lose_nothing(home: Home, tmp_path: Path) -> None:
     for name in MACHINES:
         ok("start", name)

@@ -6,11 +6,11 @@ import contextlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from rewind.engine import spawner
 from rewind.engine.qemu import start_ticks
@@ -36,13 +36,6 @@ def _spawner_pids(runtime: Path) -> list[int]:
     return [pid for pid in found if pid not in children]
 
 
-def _wait_for(condition, timeout: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def runtime(tmp_path: Path) -> Iterator[Path]:
     folder = tmp_path / "runtime"
@@ -51,7 +44,7 @@ def runtime(tmp_path: Path) -> Iterator[Path]:
     pids = _spawner_pids(folder)
     shutil.rmtree(folder)
     for pid in pids:  # its folder is gone: it ends by itself
-        _wait_for(lambda pid=pid: start_ticks(pid) is None)
+        wait_until(lambda pid=pid: start_ticks(pid) is None, f"process {pid} to end", timeout=10)
 
 
 def _quick(wait: bool = True) -> spawner.Request:
@@ -74,7 +67,7 @@ def test_a_spawner_of_other_code_is_not_used_and_ends(runtime: Path, monkeypatch
     [old] = _spawner_pids(runtime)
     monkeypatch.setattr(spawner, "code_version", lambda: "an upgraded rewind")
     assert spawner.spawn(runtime, _quick()) is None  # the caller starts a fresh process instead
-    _wait_for(lambda: start_ticks(old) is None)
+    wait_until(lambda: start_ticks(old) is None, "the old spawner to end", timeout=10)
     assert not (runtime / spawner.SOCKET).exists()
 
 
@@ -82,7 +75,7 @@ def test_a_spawner_ends_when_its_runtime_folder_goes(runtime: Path) -> None:
     assert spawner.spawn(runtime, _quick(wait=False)) is not None
     [pid] = _spawner_pids(runtime)
     (runtime / spawner.SOCKET).unlink()
-    _wait_for(lambda: start_ticks(pid) is None)
+    wait_until(lambda: start_ticks(pid) is None, f"process {pid} to end", timeout=10)
 
 
 def test_bad_requests_are_refused_without_harm(runtime: Path) -> None:

@@ -24,6 +24,7 @@ def first_host_certificate() -> str:
     return pem.splitlines()[3]
 
 
+@pytest.mark.slow  # over 30 s here
 def test_pip_and_npm_install_from_their_registries_with_the_hosts_trust(home: Home) -> None:
     with Sandbox.create(home=home, host_trust=True) as sbx:
         env = sbx.exec("echo $SSL_CERT_FILE $NODE_EXTRA_CA_CERTS").stdout.split()
