@@ -129,6 +129,24 @@ store_option = click.option("--store", "store_dir", default=None, type=click.Pat
                                  "(default: $REWIND_STORE, else $REWIND_HOME/store).")
 
 
+
+def policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The operator's policy for the steps agents run (docs/operations.md, "Policy")."""
+    steps = ["open", "guarded", "checkpoint-each"]
+    for option in reversed([
+        click.option("--policy", type=click.Choice(steps), default="open", show_default=True,
+                     help="open: exec runs as asked; guarded: every exec runs guarded (no raw exec over "
+                          "MCP); checkpoint-each: a checkpoint before every exec."),
+        click.option("--machine-policy", multiple=True, metavar="NAME=POLICY",
+                     help="Another policy for machine NAME; repeatable."),
+        click.option("--allow-external", multiple=True, metavar="NAME",
+                     help="Under a policy, let machine NAME (or * for all) run steps that act outside it; "
+                          "repeatable."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rewind")
 def cli() -> None:
@@ -1228,10 +1246,12 @@ def _image_users(engine: Engine, name: str) -> list[str]:
 @click.option("--default-ttl", default=None, help="Time to live of machines made without one (30m, 2h).")
 @click.option("--on-expiry", type=click.Choice(["stop", "checkpoint", "delete"]), default="stop",
               show_default=True, help="What the end of a default time to live does.")
+@policy_options
 @store_option
 def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_host: tuple[str, ...],
           allow_origin: tuple[str, ...], max_machines: int | None, max_memory: str | None,
-          default_ttl: str | None, on_expiry: str, store_dir: str | None) -> None:
+          default_ttl: str | None, on_expiry: str, policy: str, machine_policy: tuple[str, ...],
+          allow_external: tuple[str, ...], store_dir: str | None) -> None:
     """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted.
 
     Requests must name this server in their Host header and come from no foreign web origin,
@@ -1239,24 +1259,29 @@ def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_hos
     from rewind.home import Home
     from rewind.serve import api
     from rewind.serve.access import AccessPolicy
+    from rewind.serve.policy import Policy
     from rewind.serve.service import DaemonConfig, Service
 
     token, made = api.read_token(token_file, no_auth, host, Home.from_env())
     policy = AccessPolicy.for_bind(host, allow_host, allow_origin)
-    config = DaemonConfig()
+    config = DaemonConfig(policy=Policy.parse(policy, machine_policy, allow_external))
     config.change(max_machines, parse_mib(max_memory) if max_memory else None,
                   parse_duration(default_ttl) if default_ttl else None, on_expiry)
     api.serve(Service.from_env(store_dir, config), host, port, token, policy, made)
 
 
 @cli.command()
+@policy_options
 @store_option
-def mcp(store_dir: str | None) -> None:
+def mcp(policy: str, machine_policy: tuple[str, ...], allow_external: tuple[str, ...],
+        store_dir: str | None) -> None:
     """Serve the MCP tools over stdio (for Claude Code, Claude Desktop, Cursor...)."""
     from rewind.serve.mcpserver import build_server
-    from rewind.serve.service import Service
+    from rewind.serve.policy import Policy
+    from rewind.serve.service import DaemonConfig, Service
 
-    build_server(Service.from_env(store_dir)).run("stdio")
+    config = DaemonConfig(policy=Policy.parse(policy, machine_policy, allow_external))
+    build_server(Service.from_env(store_dir, config)).run("stdio")
 
 
 @cli.command()
@@ -1288,6 +1313,7 @@ def doctor(as_json: bool) -> None:
         report.update(image=str(e), accel=None)
     report["machines"] = {m.name: m.status() for m in engine.list()}
     report.update(_store_status(engine, as_json))
+    report.update(_daemon_status(as_json))
     use = ramcache.usage(Caches.of(engine.home.root, engine.home.runtime).ram)
     report["memory_images"] = use.to_json() if as_json else (
         f"{use.images} on tmpfs, {use.bytes / (1 << 20):.0f} MiB of a {use.budget >> 20} MiB budget "
@@ -1301,6 +1327,26 @@ def doctor(as_json: bool) -> None:
         return
     for key, value in report.items():
         click.echo(f"{key:>16}: {value}")
+
+
+def _daemon_status(as_json: bool) -> dict[str, Any]:
+    """The daemon at $REWIND_URL, if one is set: whether it answers, and its policy for steps."""
+    remote = _remote()
+    if remote is None:
+        return {}
+    try:
+        with remote:
+            health = remote.call("GET", "/health")
+    except RewindError as e:
+        return {"daemon": f"{remote.url} does not answer: {e}"}
+    policy = health.get("policy") or {}
+    if as_json:
+        return {"daemon": remote.url, "policy": policy}
+    shown = policy.get("default", "open") + "".join(
+        f", {name}: {value}" for name, value in policy.get("machines", {}).items())
+    if policy.get("allow_external"):
+        shown += f" (external steps allowed for {', '.join(policy['allow_external'])})"
+    return {"daemon": remote.url, "policy": shown}
 
 
 def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:

@@ -313,7 +313,7 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
     async def health() -> dict:
         # On the event loop, not in the threadpool: a pool busy with guest commands and
         # checkpoints must not make the daemon look dead.
-        return {"ok": True}
+        return {"ok": True, "policy": service.config.policy.to_json()}
 
     @app.get("/metrics", tags=["server"], response_class=Response,
              responses={200: {"content": {METRICS_TYPE: {}}}})

@@ -22,6 +22,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 
 from rewind.errors import InvalidArgument, RewindError
+from rewind.serve.policy import StepPolicy
 from rewind.serve.service import Service
 
 INSTRUCTIONS = """\
@@ -30,6 +31,18 @@ saved and taken back. Before a risky step, `checkpoint`; if it goes wrong, `rest
 machine back in place. `try_in_copy` runs a step in a live copy and keeps it only if it (and a
 check) pass. `classify` says what undo a command needs; `guarded_exec` runs it with that undo.
 `exec` results carry the same verdict."""
+
+# What the tools say of the operator's policy (serve/policy.py), added to their descriptions.
+_GUARDED = """
+
+This server's operator runs every step guarded: there is no raw `exec`; use `guarded_exec`."""
+_CHECKPOINT_EACH = """
+
+This server's operator has a checkpoint taken before every step (its id is in the result):
+`restore` it to take the step back."""
+_POLICY_EXTERNAL = """
+Whether a step may act outside the machine is the operator's choice here: `allow_external`
+is ignored, and such a step is refused unless the operator allowed it for the machine."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,7 +79,8 @@ def _errors_as_tool_errors(fn: F) -> F:
 def build_server(service: Service) -> MCPServer:
     """The MCP server over `service` (its home and store)."""
     # WARNING: the SDK logs every request at INFO, which would flood `rewind serve`'s stderr.
-    server = MCPServer("rewind", instructions=INSTRUCTIONS, version="0.1.0", log_level="WARNING")
+    instructions = INSTRUCTIONS + (_GUARDED if service.config.policy.default is StepPolicy.GUARDED else "")
+    server = MCPServer("rewind", instructions=instructions, version="0.1.0", log_level="WARNING")
 
     def tool(annotations: ToolAnnotations) -> Callable[[F], F]:
         def register(fn: F) -> F:
@@ -112,14 +126,18 @@ def build_server(service: Service) -> MCPServer:
         """The machines on this host (optionally only those with all these labels)."""
         return {"machines": service.list(labels)}
 
-    @tool(RUN)
     def exec(name: str, command: str, cwd: str | None = None, timeout: float | None = None,
              stdin: str | None = None) -> dict[str, Any]:
         """Run a shell command in machine `name` and wait for it. The result has exit_code, stdout,
         stderr and `verdict`: what undo the command needed (none, git, fork or external), and why."""
         return service.exec(name, command, cwd=cwd, timeout=timeout, stdin=stdin)
 
-    @tool(RUN)
+    policy = service.config.policy
+    if policy.default is StepPolicy.CHECKPOINT_EACH:
+        exec.__doc__ = (exec.__doc__ or "") + _CHECKPOINT_EACH
+    if policy.default is not StepPolicy.GUARDED:  # under `guarded`, raw exec is not offered
+        tool(RUN)(exec)
+
     def guarded_exec(name: str, command: str, verify: str | None = None, allow_external: bool = False,
                      cwd: str | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Run a shell command with the cheapest undo that covers it: reads run as is, project file
@@ -128,6 +146,10 @@ def build_server(service: Service) -> MCPServer:
         `allow_external` (then the machine is checkpointed first)."""
         return service.guarded(name, command, verify=verify, allow_external=allow_external, cwd=cwd,
                                timeout=timeout)
+
+    if policy.default is not StepPolicy.OPEN:
+        guarded_exec.__doc__ = (guarded_exec.__doc__ or "") + _POLICY_EXTERNAL
+    tool(RUN)(guarded_exec)
 
     @tool(RUN)
     def try_in_copy(name: str, step: str, verify: str | None = None, offline: bool = True,

@@ -7,6 +7,7 @@ Every one returns JSON-ready data, so both faces answer with the same shapes.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,15 @@ from rewind.engine.netrules import NetworkRules
 from rewind.engine.ports import LOCAL_HOST
 from rewind.engine.timeline import PointMeta
 from rewind.errors import InvalidArgument
-from rewind.guard.classify import classify
+from rewind.guard.classify import Decision, Kind, classify
+from rewind.guard.guarded import Refused
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
 from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
 from rewind.serve import wire
 from rewind.serve.budget import Admission, Budget
 from rewind.serve.metrics import Metrics, measured
+from rewind.serve.policy import Policy, StepPolicy
 from rewind.store import Store, export_checkpoint, import_checkpoint
 
 MAX_FORKS = 64
@@ -38,10 +41,11 @@ class DaemonConfig:
     budget: Budget = field(default_factory=Budget.for_host)
     default_ttl: float | None = None
     on_expiry: str = "stop"
+    policy: Policy = field(default_factory=Policy)  # set by flags only: see serve/policy.py
 
     def to_json(self) -> dict[str, Any]:
         return {"max_machines": self.budget.machines, "max_memory_mib": self.budget.memory_mib,
-                "default_ttl": self.default_ttl, "on_expiry": self.on_expiry}
+                "default_ttl": self.default_ttl, "on_expiry": self.on_expiry, "policy": self.policy.to_json()}
 
     def change(self, max_machines: int | None = None, max_memory_mib: int | None = None,
                default_ttl: float | None = None, on_expiry: str | None = None) -> None:
@@ -148,19 +152,61 @@ class Service:
              timeout: float | None = None, stdin: str | bytes | None = None, max_output: int | None = None,
              on_stdout: Callable[[str], None] | None = None,
              on_stderr: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """The command's result, with the guard's verdict on it (what undo it would need)."""
+        """The command's result, with the guard's verdict on it (what undo it would need), run
+        as the daemon's policy for the machine says (serve/policy.py)."""
+        policy = self.config.policy.of(name)
+        decision = self.decision(cmd, cwd, env)
+        verdict = None if decision is None else decision.to_json()
+        if policy is StepPolicy.GUARDED:
+            return self._exec_guarded(name, cmd, cwd, env, timeout, stdin, on_stdout, on_stderr, decision)
+        point = None
+        if policy is StepPolicy.CHECKPOINT_EACH:
+            self._refuse_external(name, decision)
+            point = self.sandbox(name).checkpoint(labels={"rewind.policy": policy.value}).id
         result = self.sandbox(name).exec(cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin,
                                          max_output=max_output, on_stdout=on_stdout, on_stderr=on_stderr)
-        return {**wire.exec_json(result), "verdict": self.verdict(cmd, cwd)}
+        return {**wire.exec_json(result), "verdict": verdict, "policy": policy.value,
+                **({"checkpoint": point} if point else {})}
+
+    def _exec_guarded(self, name: str, cmd: Command, cwd: str | None, env: dict[str, str] | None,
+                      timeout: float | None, stdin: str | bytes | None,
+                      on_stdout: Callable[[str], None] | None, on_stderr: Callable[[str], None] | None,
+                      decision: Decision | None) -> dict[str, Any]:
+        """exec under the guarded policy: as guarded_exec, answered in exec's shape."""
+        if stdin is not None:
+            raise InvalidArgument(f"machine {name} runs every step guarded (the daemon's policy), and a "
+                                  "guarded step takes no stdin: put the input in the command")
+        self._refuse_external(name, decision)
+        step = _with_env(cmd, env)
+        done = self.sandbox(name).guarded(step, cwd=cwd, timeout=timeout,
+                                          allow_external=self.config.policy.allows_external(name))
+        result = done.result
+        if result is not None:
+            for sink, text in ((on_stdout, result.stdout), (on_stderr, result.stderr)):
+                if sink is not None and text:
+                    sink(text)
+        ran = wire.exec_json(result) if result is not None else {
+            "exit_code": -1, "stdout": "", "stderr": done.note, "timed_out": False, "ok": False}
+        verdict = None if decision is None else decision.to_json()
+        return {**ran, "verdict": verdict, "policy": StepPolicy.GUARDED.value, "guarded": done.to_json()}
+
+    def _refuse_external(self, name: str, decision: Decision | None) -> None:
+        """Under a policy, a step that acts outside the machine runs only where the operator allowed it."""
+        if decision is None or decision.kind is not Kind.EXTERNAL or self.config.policy.allows_external(name):
+            return
+        raise Refused(f"refused by the daemon's policy for machine {name}: {'; '.join(decision.reasons)}; it "
+                      "acts outside the machine, where no checkpoint can take it back (the operator allows "
+                      "such steps with `rewind serve --allow-external NAME`)", decision)
 
     @staticmethod
-    def verdict(cmd: Command, cwd: str | None) -> dict | None:
-        """classify's answer for a shell string; an argv list or an unreadable command has none."""
+    def decision(cmd: Command, cwd: str | None, env: dict[str, str] | None = None) -> Decision | None:
+        """classify's answer for a shell string (with the call's `env` as the shell would see it);
+        an argv list or an unreadable command has none."""
         if not isinstance(cmd, str):
             return None
         rules = find_rules()  # outside the try: a bad rules file is the caller's to hear of
         try:
-            return classify(cmd, cwd=cwd or "/root", rules=rules).to_json()
+            return classify(_with_env(cmd, env), cwd=cwd or "/root", rules=rules)
         except InvalidArgument:
             return None
 
@@ -168,6 +214,9 @@ class Service:
     def guarded(self, name: str, cmd: str, *, verify: str | None = None, allow_external: bool = False,
                 cwd: str | None = None, timeout: float | None = None, offline: bool = False
                 ) -> dict[str, Any]:
+        if self.config.policy.of(name) is not StepPolicy.OPEN:  # the operator's word, not the agent's
+            self._refuse_external(name, self.decision(cmd, cwd))
+            allow_external = self.config.policy.allows_external(name)
         return self.sandbox(name).guarded(cmd, verify=verify, allow_external=allow_external, cwd=cwd,
                                           timeout=timeout, offline=offline).to_json()
 
@@ -297,3 +346,12 @@ def _host_path(path: str) -> str:
     if not os.path.isabs(path):
         raise InvalidArgument(f"a path on the server's host must be absolute: {path!r}")
     return path
+
+
+def _with_env(cmd: Command, env: dict[str, str] | None) -> str:
+    """A shell string that sets `env` for the whole of `cmd` (an argv list is quoted into one),
+    so the guard reads the variables that aim clients elsewhere, and the step runs with them."""
+    line = cmd if isinstance(cmd, str) else shlex.join(cmd)
+    if not env:
+        return line
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "; " + line
