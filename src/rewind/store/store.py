@@ -78,6 +78,7 @@ from rewind.store.packs import Packer, PackIndex, read_index
 
 if TYPE_CHECKING:
     from rewind.store.crypto import Keys, KeySlot, PasswordSource, SealedChunks
+    from rewind.store.signing import SigningKey
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Chunks go to the hashing threads in batches of this many bytes: submitting a task per
@@ -143,6 +144,9 @@ class Store:
             self.codec = SealedChunks(keys)
         self.chunk_size = chunk_size
         self.lock_timeout = lock_timeout
+        # Signs every manifest this store commits (signing.py): the key of whoever opened it (a
+        # home's), set by them; None writes unsigned manifests, as rewind did before signing.
+        self.signer: SigningKey | None = None
         self._tmp = root / "tmp"
         self._chunks = os.fspath(root / "chunks")
         self._packs = PackIndex(root / "packs")
@@ -452,7 +456,8 @@ class Store:
         """Make a checkpoint of `machine` from blobs already put. `parent` (a ref or manifest) is
         the point the machine was last saved to or restored from; up to `history` points of its
         chain are copied into the new manifest. Written atomically: until it returns, the
-        checkpoint is not visible. `checkpoint_id` (from new_checkpoint_id) names it in advance."""
+        checkpoint is not visible. `checkpoint_id` (from new_checkpoint_id) names it in advance.
+        The manifest is signed with `signer`, if this store was given one."""
         if checkpoint_id is not None and not (isinstance(checkpoint_id, str)
                                               and re.fullmatch(r"[0-9a-f]{32}", checkpoint_id)):
             raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}")
@@ -484,6 +489,8 @@ class Store:
             # others are checked to be there, and they are the checkpoint's own data.
             inherited = base.hashes() if base else set()
             manifest.own_bytes = sum(self._chunk_sizes(manifest.hashes() - inherited).values())
+            if self.signer is not None:  # last: the signature covers every field
+                manifest.signature = self.signer.sign(manifest)
             self._write_manifest(manifest)
         return manifest
 
