@@ -28,6 +28,7 @@ from rewind.store.locks import held_file
 from rewind.store.model import CheckpointManifest, Seal, validate_name
 from rewind.store.signing import SigningKey, fingerprint, parse_public, public_text, verify
 from rewind.store.store import Store
+from rewind.store.transfer import import_checkpoint
 
 TRUST_VERSION = 1
 ALLOW_UNSIGNED = "REWIND_ALLOW_UNSIGNED"
@@ -207,3 +208,12 @@ def check_signed(home: Home, manifest: CheckpointManifest, what: str, local: boo
         where = "this home's own store" if local else "a shared store or a file"
         raise UntrustedCheckpoint(f"will not {what} {point}: it is unsigned and comes from {where} "
                                   f"(--allow-unsigned or {ALLOW_UNSIGNED}=1 runs it anyway)")
+
+
+def import_signed(home: Home, store: Store, path: str | os.PathLike[str],
+                  allow_unsigned: bool | None = None) -> CheckpointManifest:
+    """Import the export at `path` into `store` if this home trusts its signer (an export comes
+    from elsewhere: an unsigned one only with `allow_unsigned`, as check_signed says)."""
+    def check(manifest: CheckpointManifest) -> None:
+        check_signed(home, manifest, "import", local=False, allow_unsigned=allow_unsigned)
+    return import_checkpoint(store, path, check=check)
