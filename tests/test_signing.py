@@ -25,6 +25,7 @@ from rewind.signers import (
     signing_key,
     trust,
     trust_list,
+    use_key,
 )
 from rewind.store import CheckpointManifest, Store, UntrustedCheckpoint, export_checkpoint, import_checkpoint
 from rewind.store.signing import SigningKey, fingerprint, verify
@@ -151,6 +152,15 @@ def test_the_signing_key_is_private_made_once_and_kept(tmp_path: Path) -> None:
     assert key.public not in repr(key) and b"PRIVATE KEY" in home.signing_key.read_bytes()
 
 
+def test_a_fleet_node_home_takes_the_drivers_key_and_no_other(tmp_path: Path) -> None:
+    node, driver = _home(tmp_path, "node"), SigningKey.generate()
+    use_key(node, driver)
+    use_key(node, driver)  # again: the same key, nothing to do
+    assert own_key(node) == driver.public
+    with pytest.raises(InvalidArgument, match="another key"):
+        use_key(node, SigningKey.generate())
+
+
 def test_trust_add_list_and_remove(tmp_path: Path) -> None:
     home = _home(tmp_path, "home")
     one, two = SigningKey.generate().public, SigningKey.generate().public
@@ -213,6 +223,22 @@ def test_the_cli_shows_the_key_and_keeps_the_trust_list(tmp_path: Path) -> None:
     assert bad.returncode == 1 and b"not a public key" in bad.stderr and b"Traceback" not in bad.stderr
     assert rewind_cli("trust", "remove", "ci", env=env).returncode == 0
     assert len(json.loads(rewind_cli("trust", "list", "--json", env=env).stdout)) == 1
+    # `checkpoints` and `log` say who signed each point.
+    home = Home(root=tmp_path / "home", images=tmp_path / "images")
+    store = Store.open(tmp_path / "shared", create=True)
+    mine = _commit(store, signing_key(home), name="mine")
+    theirs = _commit(store, SigningKey.generate(), name="theirs", parent=mine.id)
+    unsigned = _commit(store, None, name="old")
+    env["REWIND_STORE"] = str(store.root)
+    listed = json.loads(rewind_cli("checkpoints", "--json", env=env).stdout)
+    fp = key["fingerprint"]
+    assert {c["name"]: c["signer"] for c in listed} == {
+        "mine": f"this home ({fp})", "old": "unsigned",
+        "theirs": f"{fingerprint(theirs.signature.key if theirs.signature else '')}, not trusted"}
+    log = json.loads(rewind_cli("log", "theirs", "--json", env=env).stdout)
+    assert [c["ref"] for c in log] == ["~0", "~1"] and log[0]["signer"] == log[1]["signer"]
+    table = rewind_cli("checkpoints", env=env).stdout.decode()
+    assert "SIGNED BY" in table and "unsigned" in table and unsigned.id[:12] in table
 
 
 def test_a_point_made_in_one_home_runs_in_another_once_it_trusts_the_first(

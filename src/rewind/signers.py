@@ -36,22 +36,35 @@ _YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
 
 
 def signing_key(home: Home) -> SigningKey:
-    """The home's key, made (0600, durably) the first time one is needed. Two processes making
-    it at once keep the same one: a key is linked into place, never over another."""
+    """The home's key, made (0600, durably) the first time one is needed."""
+    if not home.signing_key.exists():
+        _place_key(home, SigningKey.generate())
+    return _read_key(home.signing_key)
+
+
+def use_key(home: Home, key: SigningKey) -> None:
+    """Make `key` the signing key of `home`, which must have none or this one: the homes of a
+    fleet's nodes sign as the home that drives it, so that each runs the points of the others."""
+    _place_key(home, key)
+    if _read_key(home.signing_key).public != key.public:
+        raise InvalidArgument(f"the home {home.root} signs with another key already; move "
+                              f"{home.signing_key} away to give it this one")
+
+
+def _place_key(home: Home, key: SigningKey) -> None:
+    """Write `key` as the home's unless it has one. Two processes making it at once keep the
+    same one: a key is linked into place, never over another."""
     path = home.signing_key
-    if not path.exists():
-        key = SigningKey.generate()
-        with os_errors(f"make the home's signing key at {path}"):
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = write_tmp(path.parent, key.to_pem())  # 0600, fsync'ed
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass  # another process made it first: that one is the home's
-            finally:
-                tmp.unlink()
-            fsync_dir(path.parent)
-    return _read_key(path)
+    with os_errors(f"write the home's signing key at {path}"):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = write_tmp(path.parent, key.to_pem())  # 0600, fsync'ed
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # made first by another process, or before: that one is the home's
+        finally:
+            tmp.unlink()
+        fsync_dir(path.parent)
 
 
 def _read_key(path: Path) -> SigningKey:
