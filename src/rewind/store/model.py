@@ -215,6 +215,9 @@ class CheckpointManifest(HistoryEntry):
     history: list[HistoryEntry] = field(default_factory=list)
     signature: ManifestSignature | None = None
     vouched_by: CheckpointManifest | None = field(default=None, repr=False, compare=False)
+    # The JSON object it was read from, which its signature is checked against: writing it
+    # again (to_json) would cost a long history's manifest 50 ms more at every restore.
+    source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     # signing.verify's verdict, once it has checked (a manifest object is never changed after).
     seal: Seal | None = field(default=None, repr=False, compare=False)
 
@@ -258,7 +261,7 @@ class CheckpointManifest(HistoryEntry):
             newer = entry.blobs
         signature = ManifestSignature.from_json(data["signature"]) if "signature" in data else None
         return cls(**{f.name: getattr(top, f.name) for f in fields(HistoryEntry)}, history=history,
-                   signature=signature)
+                   signature=signature, source=data)
 
 
 def _entry_json(entry: HistoryEntry, newer: dict[str, BlobIndex] | None) -> dict[str, Any]:

@@ -58,9 +58,9 @@ class SigningKey:
         return self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption())
 
-    def sign(self, manifest: CheckpointManifest) -> ManifestSignature:
-        """The signature of `manifest` as it is now (its own `signature`, if any, left out)."""
-        sig = self._private.sign(signed_bytes(manifest))
+    def sign(self, data: dict[str, Any]) -> ManifestSignature:
+        """The signature of a manifest's JSON object (to_json), as it will be written."""
+        sig = self._private.sign(signed_bytes(data))
         return ManifestSignature(key=self.public, sig=base64.b64encode(sig).decode())
 
 
@@ -88,19 +88,17 @@ def fingerprint(key_text: str) -> str:
     return hashlib.sha256(key_text.encode()).hexdigest()[:16]
 
 
-def signed_bytes(manifest: CheckpointManifest) -> bytes:
-    """What a manifest's signature covers: DOMAIN, then the manifest as rewind writes it
-    (model.to_json: history included, unknown keys gone) without `signature` and without
-    the keys of UNSIGNED_META in any point's meta, as compact JSON with sorted keys."""
-    data = manifest.to_json()
-    data.pop("signature", None)
-    data = _without_marks(data)
+def signed_bytes(data: dict[str, Any]) -> bytes:
+    """What a manifest's signature covers: DOMAIN, then the manifest's JSON object (as written,
+    history included) without `signature` and without the keys of UNSIGNED_META in any
+    point's meta, as compact JSON with sorted keys."""
+    data = _without_marks({k: v for k, v in data.items() if k != "signature"})
     data["history"] = [_without_marks(entry) for entry in data["history"]]
     return DOMAIN + json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _without_marks(point: dict[str, Any]) -> dict[str, Any]:
-    # A copy: to_json shares the manifest's own meta dicts.
+    # A copy: the object shares its meta dicts with the manifest.
     return {**point, "meta": {k: v for k, v in point["meta"].items() if k not in UNSIGNED_META}}
 
 
@@ -122,7 +120,8 @@ def _check(manifest: CheckpointManifest) -> Seal:
         return Seal("bad", signature.key)
     try:
         key = parse_public(signature.key)
-        key.verify(base64.b64decode(signature.sig, validate=True), signed_bytes(manifest))
+        data = manifest.source if manifest.source is not None else manifest.to_json()
+        key.verify(base64.b64decode(signature.sig, validate=True), signed_bytes(data))
     except (InvalidArgument, InvalidSignature, binascii.Error, ValueError):
         return Seal("bad", signature.key)
     return Seal("good", public_text(key))  # its canonical text, as trust lists hold it

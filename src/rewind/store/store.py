@@ -489,9 +489,12 @@ class Store:
             # others are checked to be there, and they are the checkpoint's own data.
             inherited = base.hashes() if base else set()
             manifest.own_bytes = sum(self._chunk_sizes(manifest.hashes() - inherited).values())
+            data = manifest.to_json()
             if self.signer is not None:  # last: the signature covers every field
-                manifest.signature = self.signer.sign(manifest)
-            self._write_manifest(manifest)
+                manifest.signature = self.signer.sign(data)
+                data["signature"] = manifest.signature.to_json()
+            manifest.source = data
+            self._write_manifest(manifest, data)
         return manifest
 
     def _chunk_sizes(self, hashes: set[str]) -> dict[str, int]:
@@ -510,14 +513,15 @@ class Store:
                              "holding store.lock() until commit")
         return sizes
 
-    def _manifest_bytes(self, manifest: CheckpointManifest) -> bytes:
-        """A manifest's file: compact JSON, sealed in an encrypted store."""
-        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+    def _manifest_bytes(self, manifest: CheckpointManifest, data: dict[str, Any] | None = None) -> bytes:
+        """A manifest's file: compact JSON (of `data`, its to_json if already made), sealed in
+        an encrypted store."""
+        text = json.dumps(manifest.to_json() if data is None else data, separators=(",", ":")).encode()
         if self.keys is None:
-            return data
+            return text
         from rewind.store.crypto import MANIFEST
 
-        return self.keys.seal(MANIFEST, data)
+        return self.keys.seal(MANIFEST, text)
 
     def _parse_manifest(self, data: bytes, export: bool = False) -> CheckpointManifest:
         """A manifest from its file (`export`: from an export file's body, sealed as such);
@@ -533,13 +537,14 @@ class Store:
                 raise ValueError("it fails its authentication") from e
         return CheckpointManifest.from_json(json.loads(data))
 
-    def _write_manifest(self, manifest: CheckpointManifest) -> None:
-        """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/."""
-        data = self._manifest_bytes(manifest)
+    def _write_manifest(self, manifest: CheckpointManifest, data: dict[str, Any] | None = None) -> None:
+        """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/ (`data`:
+        its to_json, if the caller has made it)."""
+        written = self._manifest_bytes(manifest, data)
         dest = self._manifest_path(manifest.id)
         with names_lock(self.root / "locks", self.lock_timeout) if manifest.name else nullcontext():
             self._check_free(manifest)
-            tmp = write_tmp(self._tmp, data)
+            tmp = write_tmp(self._tmp, written)
             identity = _identity(os.stat(tmp))
             os.rename(tmp, dest)
         fsync_dir(dest.parent)
