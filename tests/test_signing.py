@@ -259,5 +259,13 @@ def test_a_point_made_in_one_home_runs_in_another_once_it_trusts_the_first(
         trust(other, a_key, name="home-a")
         with Sandbox.create(from_checkpoint="from-a", home=other) as copy:
             assert copy.exec("cat /root/mark", check=True).stdout.strip() == "made-in-home-a"
+            assert copy.history()[0].signer == f"home-a ({fingerprint(a_key)})"
+            # Once A's key is no longer trusted, a restore to its point is refused and the
+            # machine runs on as it was.
+            copy.exec("echo changed-in-home-b > /root/mark && sync", check=True)
+            distrust(other, "home-a")
+            with pytest.raises(UntrustedCheckpoint, match=f"will not restore.*{fingerprint(a_key)}"):
+                copy.restore(point.id)
+            assert copy.exec("cat /root/mark", check=True).stdout.strip() == "changed-in-home-b"
     finally:
         cleanup_home(other)
