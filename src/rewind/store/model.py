@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from rewind.errors import InvalidArgument
 from rewind.store.errors import BadRef
@@ -200,7 +200,7 @@ class Seal:
     """What a manifest's signature says once checked: `state` is "unsigned", "good" (by `key`)
     or "bad" (it claims `key`, but does not match the manifest, or cannot be read)."""
 
-    state: str
+    state: Literal["unsigned", "good", "bad"]
     key: str | None = None
 
 
