@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from io import BytesIO
 from pathlib import Path
 
@@ -150,6 +152,16 @@ def test_the_signing_key_is_private_made_once_and_kept(tmp_path: Path) -> None:
     assert signing_key(home).public == key.public == own_key(home)
     assert [p.name for p in home.signing_key.parent.iterdir()] == ["signing.key"]  # no temporary left
     assert key.public not in repr(key) and b"PRIVATE KEY" in home.signing_key.read_bytes()
+
+
+def test_processes_making_the_key_at_once_keep_one(tmp_path: Path) -> None:
+    home = _home(tmp_path, "home")
+    code = "import sys; from rewind import Home; from rewind.signers import signing_key; " \
+           "print(signing_key(Home.from_env(sys.argv[1])).public)"
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(home.root)], stdout=subprocess.PIPE)
+            for _ in range(6)]
+    keys = {run.communicate(timeout=60)[0].decode().strip() for run in runs}
+    assert keys == {own_key(home)} and [p.name for p in home.signing_key.parent.iterdir()] == ["signing.key"]
 
 
 def test_a_fleet_node_home_takes_the_drivers_key_and_no_other(tmp_path: Path) -> None:
