@@ -129,9 +129,14 @@ def test_checkpoint_verbs(home: Home, tmp_path: Path) -> None:
     forged = tmp_path / "forged.rwx"
     forged.write_bytes(export.read_bytes())
     forge(forged, grant_host_and_huge_memory)
-    assert rewind_cli("import", str(forged), "--store", str(other)).returncode == 0
-    _one_line_error(rewind_cli("create", "forged", "--from", "forged", "--store", str(other)),
-                    "cannot run", "memory")
+    _one_line_error(rewind_cli("import", str(forged), "--store", str(other)), "signature", "does not match")
+    # Unsigned, such a file is taken only when asked to, and what it says of itself still checked.
+    forge(forged, lambda manifest: manifest.pop("signature"))
+    _one_line_error(rewind_cli("import", str(forged), "--store", str(other)), "unsigned", "--allow-unsigned")
+    assert rewind_cli("import", str(forged), "--store", str(other), "--allow-unsigned").returncode == 0
+    _one_line_error(rewind_cli("create", "forged", "--from", "forged", "--store", str(other)), "unsigned")
+    _one_line_error(rewind_cli("create", "forged", "--from", "forged", "--store", str(other),
+                               "--allow-unsigned"), "cannot run", "memory")
 
     damaged = tmp_path / "damaged.rwx"
     data = bytearray(export.read_bytes())

@@ -313,6 +313,7 @@ def test_a_machine_checkpointed_into_an_encrypted_store(home: Home, tmp_path: Pa
     from conftest import cleanup_home
 
     from rewind import Sandbox
+    from rewind.signers import signing_key, trust
 
     disk_marker, memory_marker = "DISKMARK-4e1f0b9d2a", "MEMMARK-93c7a1e5d0"
     store_path = tmp_path / "shared-store"
@@ -330,6 +331,7 @@ def test_a_machine_checkpointed_into_an_encrypted_store(home: Home, tmp_path: Pa
             assert disk_marker.encode() not in content and memory_marker.encode() not in content, path
 
     other = Home(root=tmp_path / "other-home", images=home.images)
+    trust(other, signing_key(home).public)  # the point is signed by the first home
     try:
         copy = Sandbox.create("copy", from_checkpoint=point.id, home=other)
         assert copy.files.read("/root/marker.txt").decode() == disk_marker * 1000

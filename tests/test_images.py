@@ -21,6 +21,7 @@ from rewind import AlreadyExists, Home, ImageError, InvalidArgument, NotFound, S
 from rewind.engine.machine import Engine
 from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
 from rewind.image.dockerfile import Builder, builder_for
+from rewind.signers import signing_key, trust
 from rewind.store import Store, export_checkpoint, import_checkpoint
 
 ENV = {"PATH": "/bin", "GREETING": "from the image"}
@@ -115,6 +116,7 @@ def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Ho
     default = Engine(shared_home).image()
     (other_images / default.id).symlink_to(default.path)
     other = Home(root=tmp_path / "other", images=other_images)
+    trust(other, signing_key(shared_home).public)  # the point is signed by the first home
     with Sandbox.create(image=built["oci"], home=shared_home) as sbx:
         sbx.exec("echo travelled > /root/state", check=True)
         point = sbx.checkpoint(wait=True)

@@ -23,6 +23,7 @@ from conftest import rewind_cli
 
 from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
+from rewind.signers import signing_key, trust
 from rewind.store import Store
 from rewind.store.cache import UPLOAD_ENV, CachedStore
 from rewind.store.errors import RemoteUnavailable, StoreBusy
@@ -235,6 +236,7 @@ def test_a_checkpoint_taken_in_one_home_runs_as_a_new_machine_in_another(
     _until(lambda: store.queued() == [] and (store.root / "uploads.jsonl").exists(), 120, "the upload")
     uploaded = time.monotonic() - taken
     other = Home(root=tmp_path / "home-b", images=home.images)
+    trust(other, signing_key(home).public)  # the point is signed by home A
     try:
         with Sandbox.create(from_checkpoint="from-a", home=other) as copy:
             assert copy.exec("cat /root/mark", check=True).stdout.strip() == "made-in-home-a"

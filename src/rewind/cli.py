@@ -127,6 +127,17 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 store_option = click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
                             help="Checkpoint store: a folder, or s3://bucket/prefix "
                                  "(default: $REWIND_STORE, else $REWIND_HOME/store).")
+unsigned_option = click.option("--allow-unsigned", is_flag=True,
+                               help="Also take a point no one signed (made before signing) from a shared "
+                                    "store or a file (default: $REWIND_ALLOW_UNSIGNED; see `rewind trust`).")
+
+
+def _unsigned(flag: bool) -> bool | None:
+    """--allow-unsigned given: True; not given: None, which leaves it to $REWIND_ALLOW_UNSIGNED
+    and the store (signers.check_signed). A daemon judges by its own setting."""
+    if flag and _remote() is not None:
+        raise InvalidArgument("--allow-unsigned works on this host only; unset REWIND_URL to use it")
+    return True if flag else None
 
 
 
@@ -675,12 +686,12 @@ def _print_points(points: list[Checkpoint]) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "LABELS"):
+    for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "SIGNED BY", "LABELS"):
         table.add_column(column)
     for c in points:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
         table.add_row(c.ref, c.id[:12], escape(c.name or ""), created, f"{c.own_bytes / (1 << 20):.1f} MiB",
-                      escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
+                      escape(c.signer or ""), escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
     Console().print(table)
 
 
@@ -789,7 +800,7 @@ def log_(source: str, store_dir: str | None, as_json: bool) -> None:
     if _remote() is not None and not _is_file(source):
         points = _sandbox(source, store_dir).history()
     else:
-        points = history_of(_point(_store(store_dir), source))
+        points = history_of(_point(_store(store_dir), source), _engine().home)
     if as_json:
         emit_json([_checkpoint_json(c) for c in points])
     else:
@@ -800,10 +811,13 @@ def log_(source: str, store_dir: str | None, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("ref")
 @store_option
+@unsigned_option
 @json_option
-def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
+def restore(name: str, ref: str, store_dir: str | None, allow_unsigned: bool, as_json: bool) -> None:
     """Put machine NAME back to checkpoint REF (~N, an id prefix or a name), in place."""
-    point = _sandbox(name, store_dir).restore(ref)
+    unsigned = _unsigned(allow_unsigned)
+    sbx = _sandbox(name, store_dir)
+    point = sbx.restore(ref) if unsigned is None else sbx.restore(ref, allow_unsigned=unsigned)
     if as_json:
         emit_json(_checkpoint_json(point))
     else:
@@ -816,19 +830,21 @@ def restore(name: str, ref: str, store_dir: str | None, as_json: bool) -> None:
 @click.option("--at", default=None, help="Count back from it, such as ~2.")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE; repeatable.")
 @store_option
+@unsigned_option
 @json_option
 def create(name: str, source: str, at: str | None, labels: tuple[str, ...], store_dir: str | None,
-           as_json: bool) -> None:
+           allow_unsigned: bool, as_json: bool) -> None:
     """Start a new machine NAME from a checkpoint."""
     from rewind.sandbox import open_store
 
+    unsigned = _unsigned(allow_unsigned)
     remote, wanted = _remote(), parse_pairs(labels, "--label")
     if remote is not None and not _is_file(source):
         info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
         engine = _engine()  # a point not yet stored runs from its capture: no settle here
         info = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
-                                  labels=wanted, at=at).info()
+                                  labels=wanted, at=at, allow_unsigned=unsigned).info()
     if as_json:
         emit_json(dataclasses.asdict(info))
     else:
@@ -866,8 +882,13 @@ def checkpoints(store_dir: str | None, as_json: bool) -> None:
     from rewind.sandbox import Checkpoint
 
     remote = _remote()
-    points = [Checkpoint.of(m, ref="") for m in _store(store_dir).list()] if remote is None \
-        else remote.checkpoints()
+    if remote is None:
+        from rewind.signers import signer_of
+
+        home = _engine().home
+        points = [Checkpoint.of(m, ref="", signer=signer_of(home, m)) for m in _store(store_dir).list()]
+    else:
+        points = remote.checkpoints()
     if as_json:
         emit_json([_checkpoint_json(c) for c in points])
     else:
@@ -1074,18 +1095,92 @@ def export_(ref: str, file: str, store_dir: str | None, as_json: bool) -> None:
 @cli.command(name="import")
 @click.argument("file", type=click.Path(dir_okay=False, exists=True))
 @store_option
+@unsigned_option
 @json_option
-def import_(file: str, store_dir: str | None, as_json: bool) -> None:
-    """Add a checkpoint exported by `rewind export` (checksum verified first)."""
-    from rewind.store import import_checkpoint
+def import_(file: str, store_dir: str | None, allow_unsigned: bool, as_json: bool) -> None:
+    """Add a checkpoint exported by `rewind export` (checksum and signer verified first)."""
+    from rewind.signers import import_signed
 
     _local_only("import")
-    manifest = import_checkpoint(_store(store_dir), file)
+    manifest = import_signed(_engine().home, _store(store_dir), file, _unsigned(allow_unsigned))
     if as_json:
         emit_json({"id": manifest.id, "name": manifest.name})
     else:
         short = manifest.id[:12]
         click.echo(f"imported {short}; start it with `rewind create NAME --from {short}`")
+
+
+@cli.group()
+def key() -> None:
+    """This home's signing key: it signs every checkpoint the home makes."""
+
+
+@key.command(name="show")
+@json_option
+def key_show(as_json: bool) -> None:
+    """Print the home's public key (made on first use), for other homes to `rewind trust add`."""
+    from rewind.signers import signing_key
+    from rewind.store.signing import fingerprint
+
+    public = signing_key(_engine().home).public
+    if as_json:
+        emit_json({"key": public, "fingerprint": fingerprint(public)})
+    else:
+        click.echo(f"{public}  ({fingerprint(public)})")
+
+
+@cli.group()
+def trust() -> None:
+    """The keys whose checkpoints this home runs, besides its own."""
+
+
+@trust.command(name="add")
+@click.argument("public_key")
+@click.option("--name", default=None, help="A name to show for it (letters, digits, '-', '_', '.').")
+@json_option
+def trust_add(public_key: str, name: str | None, as_json: bool) -> None:
+    """Trust PUBLIC_KEY (ed25519:..., as `rewind key show` prints it): restore, create --from
+    and import then take the points it signed."""
+    from rewind import signers
+
+    entry = signers.trust(_engine().home, public_key, name)
+    if as_json:
+        emit_json({"key": entry.key, "name": entry.name, "fingerprint": entry.fingerprint})
+    else:
+        click.echo(f"trusting {entry.fingerprint}{f' as {entry.name}' if entry.name else ''}")
+
+
+@trust.command(name="list")
+@json_option
+def trust_list(as_json: bool) -> None:
+    """The keys this home trusts: its own first."""
+    from rewind import signers
+    from rewind.store.signing import fingerprint
+
+    home = _engine().home
+    own = signers.signing_key(home).public
+    rows = [{"key": own, "name": "this home", "fingerprint": fingerprint(own), "added": None}] + \
+        [{"key": k.key, "name": k.name, "fingerprint": k.fingerprint, "added": k.added}
+         for k in signers.trust_list(home).keys]
+    if as_json:
+        emit_json(rows)
+        return
+    for row in rows:
+        click.echo(f"{row['fingerprint']}  {row['name'] or '-':<16}  {row['key']}")
+
+
+@trust.command(name="remove")
+@click.argument("which")
+@json_option
+def trust_remove(which: str, as_json: bool) -> None:
+    """Stop trusting a key: WHICH is its text, its name or its fingerprint."""
+    from rewind.signers import distrust
+
+    entry = distrust(_engine().home, which)
+    if as_json:
+        emit_json({"removed": entry.key, "name": entry.name, "fingerprint": entry.fingerprint})
+    else:
+        click.echo(f"no longer trusting {entry.fingerprint}{f' ({entry.name})' if entry.name else ''}")
 
 
 @cli.group()

@@ -25,6 +25,7 @@ the code by tests/test_api.py (a new error class must be placed in it):
     │   ├── store.CorruptChunk               StoreBusy are StoreErrors too
     │   ├── store.BadExport
     │   ├── store.WrongPassword              an encrypted store's password is wrong or missing
+    │   ├── store.UntrustedCheckpoint        a point whose signer is not trusted, or signature bad
     │   └── store.RemoteUnavailable          the bucket of an s3:// store did not answer or refused
     ├── engine.qemu.QemuError                QEMU would not start or run
     │   └── engine.qemu.NeedsNewerQemu       a point of a board this host's QEMU lacks (a newer one's)

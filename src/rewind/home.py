@@ -34,6 +34,16 @@ class Home:
         return self.root / "serve.token"
 
     @property
+    def signing_key(self) -> Path:
+        """The home's Ed25519 private key, which signs every checkpoint it commits (signers.py)."""
+        return self.root / "keys" / "signing.key"
+
+    @property
+    def trust_file(self) -> Path:
+        """The public keys whose checkpoints this home runs, besides its own (signers.py)."""
+        return self.root / "trust.json"
+
+    @property
     def store(self) -> Path:
         """The default checkpoint store."""
         return self.root / "store"

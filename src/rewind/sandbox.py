@@ -61,12 +61,16 @@ class Checkpoint:
     ref: str = "~0"
     pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
     context: str | None = None  # what the caller gave checkpoint(context=...)
+    # Who signed it, as this home sees it ("this home (<fingerprint>)", a trusted key's name,
+    # "<fingerprint>, not trusted", "unsigned", "bad signature ..."; signers.describe); None:
+    # not looked at (a point just taken is this home's).
+    signer: str | None = None
 
     @classmethod
-    def of(cls, entry: HistoryEntry | Point, ref: str = "~0") -> Checkpoint:
+    def of(cls, entry: HistoryEntry | Point, ref: str = "~0", signer: str | None = None) -> Checkpoint:
         return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
                    created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref,
-                   context=entry.meta.get("context"))
+                   context=entry.meta.get("context"), signer=signer)
 
 
 def check_context(context: object) -> None:
@@ -83,9 +87,13 @@ def check_context(context: object) -> None:
                               "keep larger state in a file in the machine, which the checkpoint keeps")
 
 
-def history_of(manifest: CheckpointManifest) -> list[Checkpoint]:
-    """A checkpoint and the points before it, newest first, named ~0, ~1, ..."""
-    return [Checkpoint.of(e, f"~{i}") for i, e in enumerate([manifest.entry(), *manifest.history])]
+def history_of(manifest: CheckpointManifest, home: Home) -> list[Checkpoint]:
+    """A checkpoint and the points before it, newest first, named ~0, ~1, ...; each with the
+    signer of `manifest`, which vouches for the history it keeps."""
+    from rewind.signers import signer_of
+
+    signer = signer_of(home, manifest)
+    return [Checkpoint.of(e, f"~{i}", signer) for i, e in enumerate([manifest.entry(), *manifest.history])]
 
 
 def open_store(home: Home, store: str | os.PathLike[str] | None, password: PasswordSource = None) -> Store:
@@ -161,7 +169,8 @@ class Sandbox:
                ttl: float | None = None, on_expiry: str = "stop",
                home: Home | str | os.PathLike[str] | None = None,
                store: str | os.PathLike[str] | None = None,
-               progress: Callable[[str], None] | None = None) -> Sandbox:
+               progress: Callable[[str], None] | None = None,
+               allow_unsigned: bool | None = None) -> Sandbox:
         """Start a new machine. `memory` and `disk` are in MiB (`disk=0`: the image's size);
         `image` names an imported image (`rewind image import`), default the built one.
 
@@ -177,7 +186,11 @@ class Sandbox:
         host behind a TLS-inspecting proxy); default: $REWIND_HOST_TRUST (`1` turns it on).
 
         `ttl`: seconds it may live; then `on_expiry` (stop, checkpoint or delete) is done to it
-        by `rewind serve`, or `rewind expire` (see set_ttl)."""
+        by `rewind serve`, or `rewind expire` (see set_ttl).
+
+        A stored checkpoint runs only if this home or a key it trusts signed it (`rewind trust
+        add`); an unsigned one (written before signing) runs from the home's own store, and
+        from elsewhere with `allow_unsigned` (default: $REWIND_ALLOW_UNSIGNED)."""
         check_ttl(ttl, on_expiry)
         engine = _engine(home)
         if host_trust is None:
@@ -187,7 +200,7 @@ class Sandbox:
             from_checkpoint = from_checkpoint.id
         if from_checkpoint is not None:
             machine = engine.create_from(open_store(engine.home, store), from_checkpoint, name=name,
-                                         labels=labels, at=at, network=rules)
+                                         labels=labels, at=at, network=rules, allow_unsigned=allow_unsigned)
         else:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
                                     image=image, network=rules, host_trust=host_trust,
@@ -334,13 +347,14 @@ class Sandbox:
         engine.settle()
         self._machine.reload()
         parent = pending.surviving(engine.home, self._machine.record.parent)
-        return history_of(self._store.get(parent)) if parent else []
+        return history_of(self._store.get(parent), engine.home) if parent else []
 
-    def restore(self, ref: str | Checkpoint) -> Checkpoint:
+    def restore(self, ref: str | Checkpoint, *, allow_unsigned: bool | None = None) -> Checkpoint:
         """Put this machine back to a point (a Checkpoint, `~N`, an id prefix or a name):
-        processes, memory and disk; same name and identity. The state it leaves is saved first."""
+        processes, memory and disk; same name and identity. The state it leaves is saved first.
+        The point must be signed by a key this home trusts (`allow_unsigned`: see create)."""
         ref = ref.id if isinstance(ref, Checkpoint) else ref
-        return Checkpoint.of(self._machine.restore(self._store, ref))
+        return Checkpoint.of(self._machine.restore(self._store, ref, allow_unsigned))
 
     def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,
              paths: list[str] | None = None) -> Diff:

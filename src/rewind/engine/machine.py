@@ -678,13 +678,14 @@ class Machine:
 
         _report_lost(pending.settle(self.engine.home, self.record.uuid))
 
-    def restore(self, store: Store, ref: str) -> Point:
+    def restore(self, store: Store, ref: str, allow_unsigned: bool | None = None) -> Point:
         """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
         same name, identity and handle. The state it leaves is checkpointed first. A point
-        not yet stored runs from its capture here. The flow is timeline.restore."""
+        not yet stored runs from its capture here. The flow is timeline.restore; a stored
+        point must be signed by a key this home trusts (`allow_unsigned`: signers.py)."""
         from rewind.engine import timeline
 
-        return timeline.restore(self, store, ref)
+        return timeline.restore(self, store, ref, allow_unsigned)
 
     def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
@@ -1004,12 +1005,13 @@ class Engine:
 
     def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,
                     labels: dict[str, str] | None = None, at: str | None = None,
-                    network: NetworkRules | None = None) -> Machine:
+                    network: NetworkRules | None = None, allow_unsigned: bool | None = None) -> Machine:
         """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
-        it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
+        it). It shares the checkpoint's memory and disk read-only and gets its own identity. A
+        stored point must be signed by a key this home trusts (`allow_unsigned`: signers.py)."""
         from rewind.engine import timeline
 
-        return timeline.create_from(self, store, ref, name, labels, at, network)
+        return timeline.create_from(self, store, ref, name, labels, at, network, allow_unsigned)
 
     def find_point(self, store: Store, ref: str | CheckpointManifest,
                    relative_to: str | None = None) -> Located:

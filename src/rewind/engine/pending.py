@@ -238,6 +238,16 @@ def _lose(home: Home, path: Path, point: PendingCheckpoint, reason: str) -> None
     _forget(path, point)
 
 
+def _opened(home: Home, path: str) -> Store:
+    """The store a journal names, signing what it commits with the home's key (the point is
+    this home's: its committer runs for it, with the same home)."""
+    from rewind.signers import signing_key  # the cipher library, only where a commit needs it
+
+    store = Store.open(path)
+    store.signer = signing_key(home)
+    return store
+
+
 def surviving(home: Home, point_id: str | None) -> str | None:
     """`point_id`, or the nearest point before it that was not lost."""
     seen = set()
@@ -401,7 +411,7 @@ def _commit(home: Home, path: Path, report: bool, stores: dict[str, Store]) -> N
             split.append(_captured(point))
             return split[-1]
         try:
-            store = stores.get(point.store) or stores.setdefault(point.store, Store.open(point.store))
+            store = stores.get(point.store) or stores.setdefault(point.store, _opened(home, point.store))
             if _stored(store, point.id):  # by a committer killed before it forgot the journal
                 end_qemu(point)
                 _forget(path, point)

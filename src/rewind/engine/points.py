@@ -50,13 +50,23 @@ class Point:
 
 @dataclass(frozen=True)
 class Located:
-    """A point found, and how to get the files a new QEMU runs it from."""
+    """A point found, and how to get the files a new QEMU runs it from. `manifest`: a stored
+    point's, whose signature says who made it (None: a point captured here, not yet stored)."""
 
     point: Point
     _state: Callable[[], SavedState] = field(repr=False)
+    manifest: CheckpointManifest | None = field(default=None, repr=False)
 
     def state(self) -> SavedState:
         return self._state()
+
+    def check_signed(self, home: Home, store: Store, what: str, allow_unsigned: bool | None) -> None:
+        """Refuse (UntrustedCheckpoint) to `what` this point unless this home or a key it trusts
+        signed it (signers.check_signed); a point captured here is this home's own."""
+        if self.manifest is not None:
+            from rewind.signers import check_signed, is_home_store
+
+            check_signed(home, self.manifest, what, is_home_store(home, store), allow_unsigned)
 
 
 def locate(home: Home, store: Store, ref: str | CheckpointManifest,
@@ -94,7 +104,7 @@ def _stored(home: Home, store: Store, caches: Caches, manifest: CheckpointManife
         if not (caches.ram / f"{blob_digest(ram)}.ram").exists():
             pending.ensure_room(home, ram.size, f"the memory of checkpoint {manifest.id[:12]}")
         return state_of(store, caches, manifest)
-    return Located(Point.of_manifest(manifest), state)
+    return Located(Point.of_manifest(manifest), state, manifest)
 
 
 def _exact(home: Home, store: Store, caches: Caches, ref: str) -> Located:

@@ -327,15 +327,17 @@ def _protocol_file(mon: Monitor, node: str) -> str:
 
 # ---- restore ----
 
-def restore(machine: Machine, store: Store, ref: str) -> Point:
+def restore(machine: Machine, store: Store, ref: str, allow_unsigned: bool | None = None) -> Point:
     """Put `machine` back to checkpoint `ref` (`~N` counts back from its last point): same
     name, identity and handle. The state it leaves is checkpointed first. A point not yet
-    stored runs from its capture."""
+    stored runs from its capture. A stored point must be signed by this home or a key it
+    trusts (unsigned ones: `allow_unsigned`, see signers.check_signed)."""
     machine.reload()
     finish_interrupted_restore(machine)
     if ref.startswith("~") and machine.record.parent is None:
         raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
     target = machine.engine.find_point(store, ref, machine.record.parent if ref.startswith("~") else None)
+    target.check_signed(machine.engine.home, store, "restore", allow_unsigned)  # before it is left
     meta = PointMeta.from_json(target.point.id, target.point.meta)
     qemu_build().check_board(meta.board, f"checkpoint {target.point.id[:12]}")  # before it is left
     if (meta.memory_mib, meta.cpus) != (machine.record.memory_mib, machine.record.cpus):
@@ -427,14 +429,16 @@ def _resume_handed_off(machine: Machine, handoff: Handoff) -> None:
 
 def create_from(engine: Engine, store: Store, ref: str | CheckpointManifest, name: str | None = None,
                 labels: dict[str, str] | None = None, at: str | None = None,
-                network: NetworkRules | None = None) -> Machine:
+                network: NetworkRules | None = None, allow_unsigned: bool | None = None) -> Machine:
     """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
-    it). It shares the checkpoint's memory and disk read-only and gets its own identity."""
+    it). It shares the checkpoint's memory and disk read-only and gets its own identity. A
+    stored point must be signed by this home or a key it trusts (see restore)."""
     if name is not None:
         validate_name(name)
     found: Located = engine.find_point(store, ref)
     if at is not None:
         found = engine.find_point(store, at, relative_to=found.point.id)
+    found.check_signed(engine.home, store, "run", allow_unsigned)
     point = found.point
     meta = PointMeta.from_json(point.id, point.meta)  # before any file is made from it
     return _run_point(engine, name, point.id, point.machine, meta, found.state, labels, network)

@@ -9,7 +9,8 @@
 - A handle (`FleetSandbox`) has the Sandbox calls (exec, checkpoint, restore, history,
   delete) and runs them on the machine's node. `fork_to` moves a point between nodes: it is
   checkpointed and uploaded on one node, and a new machine runs from it on another, through
-  the shared store.
+  the shared store. Every node's home signs with the key of the home that drives the fleet,
+  so each trusts the points of the others.
 - A node that dies takes its running machines with it (their calls raise NodeLost); the
   points they stored are in the shared store and run anywhere else.
 
@@ -32,6 +33,8 @@ from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MachineInfo
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.sandbox import Checkpoint, Command, Sandbox
+from rewind.signers import signing_key, use_key
+from rewind.store.signing import SigningKey
 
 MACHINES = "rewind_machines"  # the custom resource a node offers: how many machines it runs
 NAMESPACE = "rewind"
@@ -45,9 +48,11 @@ class NodeLost(RewindError):
 class NodeAgent:
     """Owns the machines of one node, in that node's rewind home."""
 
-    def __init__(self, home: str, store: str, images: str | None) -> None:
+    def __init__(self, home: str, store: str, images: str | None, key: bytes) -> None:
         self.home = Home(root=Path(home), images=Path(images) if images else Home.from_env().images)
         self.store = store
+        # Every node signs as the fleet's driver: a point made on one node then runs on any other.
+        use_key(self.home, SigningKey.from_pem(key))
 
     def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
@@ -114,7 +119,8 @@ class Fleet:
         return NodeAgent.options(  # type: ignore[attr-defined]
             name=f"agent-{node}", namespace=NAMESPACE, get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(os.path.join(self.homes, node[:12]), self.store, os.environ.get("REWIND_IMAGES"))
+        ).remote(os.path.join(self.homes, node[:12]), self.store, os.environ.get("REWIND_IMAGES"),
+                 signing_key(Home.from_env()).to_pem())  # within the cluster, one user's
 
     def create(self, name: str | None = None, *, memory: int = DEFAULT_MEMORY_MIB, cpus: int = DEFAULT_CPUS,
                from_checkpoint: str | Checkpoint | None = None, node: str | None = None) -> FleetSandbox:

@@ -23,12 +23,13 @@ from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.guarded import Refused
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
-from rewind.sandbox import Checkpoint, Command, Sandbox, open_store, try_in_copy
+from rewind.sandbox import Checkpoint, Command, Sandbox, history_of, open_store, try_in_copy
 from rewind.serve import wire
 from rewind.serve.budget import Admission, Budget
 from rewind.serve.metrics import Metrics, measured
 from rewind.serve.policy import Policy, StepPolicy
-from rewind.store import Store, export_checkpoint, import_checkpoint
+from rewind.signers import import_signed, signer_of
+from rewind.store import Store, export_checkpoint
 
 MAX_FORKS = 64
 
@@ -318,16 +319,17 @@ class Service:
         return [wire.info_json(child.info()) for child in children]
 
     def checkpoints(self) -> list[dict[str, Any]]:
-        return [wire.checkpoint_json(Checkpoint.of(m, ref="")) for m in self.store(settled=True).list()]
+        return [wire.checkpoint_json(Checkpoint.of(m, ref="", signer=signer_of(self.home, m)))
+                for m in self.store(settled=True).list()]
 
     def lineage(self, ref: str) -> dict[str, Any]:
         """A checkpoint with its parent, its children, and the history it keeps."""
         store = self.store(settled=True)
         point = store.get(ref)
         children = [Checkpoint.of(m, ref="") for m in store.list() if m.parent == point.id]
-        history = [wire.checkpoint_json(Checkpoint.of(e, f"~{i}"))
-                   for i, e in enumerate([point.entry(), *point.history])]
-        return {**wire.checkpoint_json(Checkpoint.of(point)), "history": history,
+        history = [wire.checkpoint_json(c) for c in history_of(point, self.home)]
+        return {**wire.checkpoint_json(Checkpoint.of(point, signer=signer_of(self.home, point))),
+                "history": history,
                 "children": [wire.checkpoint_json(c) for c in children]}
 
     @measured("export")
@@ -337,7 +339,7 @@ class Service:
 
     @measured("import")
     def import_(self, src: Path) -> dict[str, Any]:
-        manifest = import_checkpoint(self.store(), src)
+        manifest = import_signed(self.home, self.store(), src)
         return {"id": manifest.id, "name": manifest.name}
 
 

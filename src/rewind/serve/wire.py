@@ -27,6 +27,7 @@ PROBLEM_TYPE = "application/problem+json"
 # (StoreBusy is a Busy) answers like its family unless it is listed itself.
 STATUS: dict[type[BaseException], int] = {
     store_errors.BadExport: 400,
+    store_errors.UntrustedCheckpoint: 403,
     errors.InvalidArgument: 400,
     Refused: 403,
     errors.NotFound: 404,

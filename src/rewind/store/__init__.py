@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     **{name: "rewind.store.errors" for name in (
         "BadExport", "BadRef", "CheckpointExists", "CorruptChunk", "StoreBusy", "StoreError",
-        "UnknownCheckpoint", "WrongPassword")},
+        "UnknownCheckpoint", "UntrustedCheckpoint", "WrongPassword")},
     **{name: "rewind.store.model" for name in (
         "BlobIndex", "CheckpointManifest", "DEFAULT_HISTORY", "HistoryEntry")},
     **{name: "rewind.store.store" for name in (
@@ -23,7 +23,8 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "DEFAULT_HISTORY", "BadExport", "BadRef", "BlobIndex", "CheckReport",
     "CheckpointExists", "CheckpointManifest", "CorruptChunk", "GcReport", "HistoryEntry", "Progress",
-    "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "WrongPassword", "export_checkpoint",
+    "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "UntrustedCheckpoint", "WrongPassword",
+    "export_checkpoint",
     "import_checkpoint", "new_checkpoint_id",
 ]
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         StoreBusy,
         StoreError,
         UnknownCheckpoint,
+        UntrustedCheckpoint,
         WrongPassword,
     )
     from rewind.store.model import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, HistoryEntry

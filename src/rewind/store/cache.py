@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rewind.home import Home
 from rewind.store.backends import ObjectStore, open_objects, parse_s3
@@ -161,13 +161,13 @@ class CachedStore(Store):
 
     # -- writing: here first, then to the bucket -------------------------------------------
 
-    def _write_manifest(self, manifest: CheckpointManifest) -> None:
+    def _write_manifest(self, manifest: CheckpointManifest, data: dict[str, Any] | None = None) -> None:
         entry = self._outbox / f"{manifest.id}.json"
         was_queued = entry.exists()
         self._outbox.mkdir(exist_ok=True)
         replace_durably(entry, json.dumps({"id": manifest.id, "queued": time.time(), "version": 1}).encode())
         try:
-            super()._write_manifest(manifest)
+            super()._write_manifest(manifest, data)
         except BaseException:
             if not was_queued:
                 entry.unlink(missing_ok=True)

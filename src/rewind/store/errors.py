@@ -34,6 +34,11 @@ class WrongPassword(StoreError):
     """An encrypted store's password is wrong or missing: none of its keys opens with it."""
 
 
+class UntrustedCheckpoint(StoreError):
+    """A checkpoint that will not be run or imported: its signer is not trusted here, its
+    signature does not match it, or it is unsigned where unsigned points are not allowed."""
+
+
 class BadExport(StoreError):
     """An export file that is truncated, damaged, or not an export at all."""
 

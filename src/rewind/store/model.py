@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from rewind.errors import InvalidArgument
 from rewind.store.errors import BadRef
 
 FORMAT = 1
+# A manifest's `signature` object (signing.py): readers that predate it ignore it, as they do
+# any unknown key, so adding it left the manifest format as it was.
+SIGNATURE_VERSION = 1
 # What a manifest's blob indexes may expand to, all its points together (a pointer each): a
 # damaged or hostile manifest of a few KB must not make us allocate much (one of 4.5 KB with
 # 1-byte chunks took 184 MiB). 1 << 23 entries is 64 MiB; a 512 MiB machine's point needs
@@ -169,12 +172,54 @@ class HistoryEntry:
         return set().union(*(blob.hashes() for blob in self.blobs.values()))
 
 
+@dataclass(frozen=True)
+class ManifestSignature:
+    """A manifest's signature (docs/format.md §2.12; store/signing.py makes and checks it): the
+    signer's public key as text and an Ed25519 signature of the manifest's signed bytes."""
+
+    key: str  # "ed25519:" and the base64 of the 32-byte public key
+    sig: str  # base64 of the 64-byte signature
+    version: int = SIGNATURE_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "key": self.key, "sig": self.sig}
+
+    @classmethod
+    def from_json(cls, data: object) -> ManifestSignature:
+        """Its shape is checked here; whether it is good, by signing.verify (a signature of a
+        version this rewind does not know is kept, and verifies as bad)."""
+        if not (isinstance(data, dict) and is_int(data.get("version"))
+                and isinstance(data.get("key"), str) and isinstance(data.get("sig"), str)
+                and len(data["key"]) <= 200 and len(data["sig"]) <= 200):
+            raise ValueError("bad signature object")
+        return cls(key=data["key"], sig=data["sig"], version=data["version"])
+
+
+@dataclass(frozen=True)
+class Seal:
+    """What a manifest's signature says once checked: `state` is "unsigned", "good" (by `key`)
+    or "bad" (it claims `key`, but does not match the manifest, or cannot be read)."""
+
+    state: Literal["unsigned", "good", "bad"]
+    key: str | None = None
+
+
 @dataclass
 class CheckpointManifest(HistoryEntry):
     """A checkpoint, self-contained: `history` holds the points before it along its parent
-    chain, newest (its parent) first, so it outlives the deletion of any other manifest."""
+    chain, newest (its parent) first, so it outlives the deletion of any other manifest.
+
+    `signature` covers the whole manifest, its history included; a point rebuilt from another
+    manifest's history (back) is vouched for by that manifest's signature (`vouched_by`)."""
 
     history: list[HistoryEntry] = field(default_factory=list)
+    signature: ManifestSignature | None = None
+    vouched_by: CheckpointManifest | None = field(default=None, repr=False, compare=False)
+    # The JSON object it was read from, which its signature is checked against: writing it
+    # again (to_json) would cost a long history's manifest 50 ms more at every restore.
+    source: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # signing.verify's verdict, once it has checked (a manifest object is never changed after).
+    seal: Seal | None = field(default=None, repr=False, compare=False)
 
     def entry(self) -> HistoryEntry:
         return HistoryEntry(**{f.name: getattr(self, f.name) for f in fields(HistoryEntry)})
@@ -185,7 +230,7 @@ class CheckpointManifest(HistoryEntry):
             return self
         entry = self.history[n - 1]
         return CheckpointManifest(**{f.name: getattr(entry, f.name) for f in fields(HistoryEntry)},
-                                  history=self.history[n:])
+                                  history=self.history[n:], vouched_by=self.vouched_by or self)
 
     def all_hashes(self) -> set[str]:
         """Every chunk this manifest needs, its history's included (what gc must keep)."""
@@ -198,6 +243,8 @@ class CheckpointManifest(HistoryEntry):
         for entry in self.history:
             out["history"].append(_entry_json(entry, newer))
             newer = entry.blobs
+        if self.signature is not None:
+            out["signature"] = self.signature.to_json()
         return out
 
     @classmethod
@@ -212,7 +259,9 @@ class CheckpointManifest(HistoryEntry):
             entry = _entry_from_json(item, newer, budget)
             history.append(entry)
             newer = entry.blobs
-        return cls(**{f.name: getattr(top, f.name) for f in fields(HistoryEntry)}, history=history)
+        signature = ManifestSignature.from_json(data["signature"]) if "signature" in data else None
+        return cls(**{f.name: getattr(top, f.name) for f in fields(HistoryEntry)}, history=history,
+                   signature=signature, source=data)
 
 
 def _entry_json(entry: HistoryEntry, newer: dict[str, BlobIndex] | None) -> dict[str, Any]:

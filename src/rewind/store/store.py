@@ -78,6 +78,7 @@ from rewind.store.packs import Packer, PackIndex, read_index
 
 if TYPE_CHECKING:
     from rewind.store.crypto import Keys, KeySlot, PasswordSource, SealedChunks
+    from rewind.store.signing import SigningKey
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Chunks go to the hashing threads in batches of this many bytes: submitting a task per
@@ -143,6 +144,9 @@ class Store:
             self.codec = SealedChunks(keys)
         self.chunk_size = chunk_size
         self.lock_timeout = lock_timeout
+        # Signs every manifest this store commits (signing.py): the key of whoever opened it (a
+        # home's), set by them; None writes unsigned manifests, as rewind did before signing.
+        self.signer: SigningKey | None = None
         self._tmp = root / "tmp"
         self._chunks = os.fspath(root / "chunks")
         self._packs = PackIndex(root / "packs")
@@ -452,7 +456,8 @@ class Store:
         """Make a checkpoint of `machine` from blobs already put. `parent` (a ref or manifest) is
         the point the machine was last saved to or restored from; up to `history` points of its
         chain are copied into the new manifest. Written atomically: until it returns, the
-        checkpoint is not visible. `checkpoint_id` (from new_checkpoint_id) names it in advance."""
+        checkpoint is not visible. `checkpoint_id` (from new_checkpoint_id) names it in advance.
+        The manifest is signed with `signer`, if this store was given one."""
         if checkpoint_id is not None and not (isinstance(checkpoint_id, str)
                                               and re.fullmatch(r"[0-9a-f]{32}", checkpoint_id)):
             raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}")
@@ -484,7 +489,12 @@ class Store:
             # others are checked to be there, and they are the checkpoint's own data.
             inherited = base.hashes() if base else set()
             manifest.own_bytes = sum(self._chunk_sizes(manifest.hashes() - inherited).values())
-            self._write_manifest(manifest)
+            data = manifest.to_json()
+            if self.signer is not None:  # last: the signature covers every field
+                manifest.signature = self.signer.sign(data)
+                data["signature"] = manifest.signature.to_json()
+            manifest.source = data
+            self._write_manifest(manifest, data)
         return manifest
 
     def _chunk_sizes(self, hashes: set[str]) -> dict[str, int]:
@@ -503,14 +513,15 @@ class Store:
                              "holding store.lock() until commit")
         return sizes
 
-    def _manifest_bytes(self, manifest: CheckpointManifest) -> bytes:
-        """A manifest's file: compact JSON, sealed in an encrypted store."""
-        data = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+    def _manifest_bytes(self, manifest: CheckpointManifest, data: dict[str, Any] | None = None) -> bytes:
+        """A manifest's file: compact JSON (of `data`, its to_json if already made), sealed in
+        an encrypted store."""
+        text = json.dumps(manifest.to_json() if data is None else data, separators=(",", ":")).encode()
         if self.keys is None:
-            return data
+            return text
         from rewind.store.crypto import MANIFEST
 
-        return self.keys.seal(MANIFEST, data)
+        return self.keys.seal(MANIFEST, text)
 
     def _parse_manifest(self, data: bytes, export: bool = False) -> CheckpointManifest:
         """A manifest from its file (`export`: from an export file's body, sealed as such);
@@ -526,13 +537,14 @@ class Store:
                 raise ValueError("it fails its authentication") from e
         return CheckpointManifest.from_json(json.loads(data))
 
-    def _write_manifest(self, manifest: CheckpointManifest) -> None:
-        """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/."""
-        data = self._manifest_bytes(manifest)
+    def _write_manifest(self, manifest: CheckpointManifest, data: dict[str, Any] | None = None) -> None:
+        """Make a manifest visible: fsync'ed in tmp/, then renamed into checkpoints/ (`data`:
+        its to_json, if the caller has made it)."""
+        written = self._manifest_bytes(manifest, data)
         dest = self._manifest_path(manifest.id)
         with names_lock(self.root / "locks", self.lock_timeout) if manifest.name else nullcontext():
             self._check_free(manifest)
-            tmp = write_tmp(self._tmp, data)
+            tmp = write_tmp(self._tmp, written)
             identity = _identity(os.stat(tmp))
             os.rename(tmp, dest)
         fsync_dir(dest.parent)

@@ -18,6 +18,7 @@ Every chunk the manifest or its history uses is in the file, so it restores into
 store. Import writes chunks to tmp/ and moves them into place only once the whole file's
 checksum, every chunk's hash and the manifest have been checked: a bad file adds nothing.
 An imported point's meta is marked `imported`: the engine does not take its network rules.
+Its signature (signing.py) is kept: that mark is left out of what a signature covers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -74,9 +76,12 @@ def export_checkpoint(store: Store, ref: str | CheckpointManifest, out_path: str
     return manifest
 
 
-def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> CheckpointManifest:
-    """Add the checkpoint exported to `in_path`, keeping its id, name and history. A truncated
-    or damaged file, or a checkpoint (id or name) already here, is refused with nothing added."""
+def import_checkpoint(store: Store, in_path: str | os.PathLike[str],
+                      check: Callable[[CheckpointManifest], None] | None = None) -> CheckpointManifest:
+    """Add the checkpoint exported to `in_path`, keeping its id, name, history and signature. A
+    truncated or damaged file, or a checkpoint (id or name) already here, is refused with
+    nothing added; so is one that `check` (given the manifest read) raises for: the caller's
+    judgement of who signed it (the store trusts no one)."""
     src = Path(in_path)
     staged: list[tuple[Path, Path]] = []  # (file in tmp/, its place in chunks/)
     with os_errors(f"import {src}"), store.lock(operation="import"):
@@ -103,6 +108,8 @@ def import_checkpoint(store: Store, in_path: str | os.PathLike[str]) -> Checkpoi
                 manifest = store._parse_manifest(body, export=True)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise BadExport(f"{src} is damaged: its manifest does not parse ({e})") from e
+            if check is not None:
+                check(manifest)
             for point in (manifest, *manifest.history):
                 point.meta["imported"] = True  # what it says of itself is not to be trusted (see Engine)
             missing = manifest.all_hashes() - included
