@@ -6,9 +6,13 @@ not the agent, allowed it."""
 
 from __future__ import annotations
 
+import json
+import secrets
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import pytest
 from conftest import rewind_cli
 from mcp import Client
@@ -17,6 +21,7 @@ from rewind import Home, InvalidArgument, Sandbox
 from rewind.guard.guarded import Refused
 from rewind.serve.mcpserver import build_server
 from rewind.serve.policy import Policy, StepPolicy
+from rewind.serve.process import home_env, serve_process
 from rewind.serve.service import DaemonConfig, Service
 
 EXTERNAL = "curl -X POST https://api.example.com/v1/charges -d amount=100"
@@ -93,3 +98,19 @@ def test_over_mcp_under_guarded_there_is_no_raw_exec_and_a_failed_step_is_taken_
     anyio.run(main)
     after = Sandbox.get(machine, home=shared_home).exec("test -e /root/policy-mark || echo absent")
     assert after.stdout == "absent\n"
+
+
+def test_a_daemon_shows_its_policy_in_health_config_and_the_doctor(tmp_path: Path) -> None:
+    home = Home(root=tmp_path / "home", images=tmp_path / "images")
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(24))
+    args = ["--token-file", str(token), "--policy", "guarded", "--machine-policy", "web=open",
+            "--allow-external", "web"]
+    with serve_process(home, tmp_path / "serve.log", args) as url:
+        want = {"default": "guarded", "machines": {"web": "open"}, "allow_external": ["web"]}
+        assert httpx2.get(f"{url}/health").json()["policy"] == want
+        config = httpx2.get(f"{url}/config", headers={"Authorization": f"Bearer {token.read_text()}"})
+        assert config.json()["policy"] == want
+        env = {**home_env(home), "REWIND_URL": url, "REWIND_TOKEN": token.read_text()}
+        doctor = rewind_cli("doctor", "--json", env=env)
+        assert json.loads(doctor.stdout)["policy"] == want, doctor.stderr

@@ -145,7 +145,7 @@ def policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The operator's policy for the steps agents run (docs/operations.md, "Policy")."""
     steps = ["open", "guarded", "checkpoint-each"]
     for option in reversed([
-        click.option("--policy", type=click.Choice(steps), default="open", show_default=True,
+        click.option("--policy", "step_policy", type=click.Choice(steps), default="open", show_default=True,
                      help="open: exec runs as asked; guarded: every exec runs guarded (no raw exec over "
                           "MCP); checkpoint-each: a checkpoint before every exec."),
         click.option("--machine-policy", multiple=True, metavar="NAME=POLICY",
@@ -1345,7 +1345,7 @@ def _image_users(engine: Engine, name: str) -> list[str]:
 @store_option
 def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_host: tuple[str, ...],
           allow_origin: tuple[str, ...], max_machines: int | None, max_memory: str | None,
-          default_ttl: str | None, on_expiry: str, policy: str, machine_policy: tuple[str, ...],
+          default_ttl: str | None, on_expiry: str, step_policy: str, machine_policy: tuple[str, ...],
           allow_external: tuple[str, ...], store_dir: str | None) -> None:
     """Serve the HTTP API (OpenAPI at /docs, /openapi.json) and MCP at /mcp, until interrupted.
 
@@ -1359,7 +1359,7 @@ def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_hos
 
     token, made = api.read_token(token_file, no_auth, host, Home.from_env())
     policy = AccessPolicy.for_bind(host, allow_host, allow_origin)
-    config = DaemonConfig(policy=Policy.parse(policy, machine_policy, allow_external))
+    config = DaemonConfig(policy=Policy.parse(step_policy, machine_policy, allow_external))
     config.change(max_machines, parse_mib(max_memory) if max_memory else None,
                   parse_duration(default_ttl) if default_ttl else None, on_expiry)
     api.serve(Service.from_env(store_dir, config), host, port, token, policy, made)
@@ -1368,14 +1368,14 @@ def serve(host: str, port: int, token_file: str | None, no_auth: bool, allow_hos
 @cli.command()
 @policy_options
 @store_option
-def mcp(policy: str, machine_policy: tuple[str, ...], allow_external: tuple[str, ...],
+def mcp(step_policy: str, machine_policy: tuple[str, ...], allow_external: tuple[str, ...],
         store_dir: str | None) -> None:
     """Serve the MCP tools over stdio (for Claude Code, Claude Desktop, Cursor...)."""
     from rewind.serve.mcpserver import build_server
     from rewind.serve.policy import Policy
     from rewind.serve.service import DaemonConfig, Service
 
-    config = DaemonConfig(policy=Policy.parse(policy, machine_policy, allow_external))
+    config = DaemonConfig(policy=Policy.parse(step_policy, machine_policy, allow_external))
     build_server(Service.from_env(store_dir, config)).run("stdio")
 
 

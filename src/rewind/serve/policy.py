@@ -64,5 +64,5 @@ class Policy:
 def _policy(value: str) -> StepPolicy:
     try:
         return StepPolicy(value)
-    except ValueError:
-        raise InvalidArgument(f"no policy {value!r}: open, guarded or checkpoint-each") from None
+    except ValueError as e:
+        raise InvalidArgument(f"no policy {value!r}: open, guarded or checkpoint-each") from e
