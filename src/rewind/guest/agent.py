@@ -520,8 +520,10 @@ def handle_untar(port: Port, req: dict, _payload: bytes) -> None:
 # ---- identity, clock, health -------------------------------------------------
 
 SIOCSIFHWADDR = 0x8924
+SIOCGIFADDR = 0x8915
 RNDADDENTROPY = 0x40085203
 ARPHRD_ETHER = 1
+ETH_P_ARP, ETH_P_IP, ARP_REQUEST = 0x0806, 0x0800, 1
 
 
 def set_mac(ifname: str, mac: str) -> None:
@@ -529,6 +531,31 @@ def set_mac(ifname: str, mac: str) -> None:
     ifreq = struct.pack("16sH14s", ifname.encode(), ARPHRD_ETHER, raw)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s.fileno(), SIOCSIFHWADDR, ifreq)
+    with contextlib.suppress(OSError):  # no address yet: nobody has learned the old MAC
+        announce(ifname)
+
+
+def announce(ifname: str) -> None:
+    """Say the interface's new MAC to the network: an ARP request for its gateway, sent from
+    it. QEMU's user network learns a guest's MAC from ARP only, and until then sent the guest's
+    frames to the old one, which the NIC drops: a kept try's port forwards reached nothing."""
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ARP)) as raw, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as inet:
+        raw.bind((ifname, 0))
+        mac = raw.getsockname()[4]
+        own = fcntl.ioctl(inet.fileno(), SIOCGIFADDR, struct.pack("256s", ifname.encode()))[20:24]
+        arp = struct.pack("!HHBBH6s4s6s4s", ARPHRD_ETHER, ETH_P_IP, 6, 4, ARP_REQUEST, mac, own, bytes(6),
+                          gateway(ifname) or own)
+        raw.send(b"\xff" * 6 + mac + struct.pack("!H", ETH_P_ARP) + arp)
+
+
+def gateway(ifname: str) -> bytes | None:
+    """The IPv4 address of `ifname`'s default route, if it has one (/proc/net/route)."""
+    for line in read_text("/proc/net/route").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 2 and fields[0] == ifname and fields[1] == "00000000":
+            return struct.pack("<I", int(fields[2], 16))
+    return None
 
 
 def handle_identity(port: Port, req: dict, _payload: bytes) -> None:
