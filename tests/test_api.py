@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,13 @@ def test_a_damaged_record_and_an_absent_monitor_keep_their_causes(tmp_path: Path
     with pytest.raises(MonitorError, match="cannot reach") as absent, Monitor(tmp_path / "x", timeout=0.1):
         pass
     assert isinstance(absent.value.__cause__, OSError)
+
+
+def test_the_http_client_loads_no_engine_module() -> None:
+    """A program that only talks to a daemon needs none of the engine: the results it gets
+    back live in rewind.results, the ground floor."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, rewind.serve.client; "
+                               "print(' '.join(m for m in sys.modules if m.startswith('rewind.engine')))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

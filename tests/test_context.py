@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rewind import InvalidArgument, Sandbox
-from rewind.sandbox import MAX_CONTEXT, Checkpoint, history_of
+from rewind.results import Checkpoint
+from rewind.sandbox import MAX_CONTEXT, history_of
 from rewind.store import Store, export_checkpoint, import_checkpoint
 
 PLAN = json.dumps({"messages": [{"role": "user", "content": "migrate the database"}], "step": 3,

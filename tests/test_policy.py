@@ -18,7 +18,7 @@ from conftest import rewind_cli
 from mcp import Client
 
 from rewind import Home, InvalidArgument, Sandbox
-from rewind.guard.guarded import Refused
+from rewind.results import Refused
 from rewind.serve.mcpserver import build_server
 from rewind.serve.policy import Policy, StepPolicy
 from rewind.serve.process import home_env, serve_process

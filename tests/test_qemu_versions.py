@@ -12,7 +12,8 @@ from conftest import rewind_cli
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pending
 from rewind.engine.machine import Engine
-from rewind.engine.qemu import QEMU_ENV, NeedsNewerQemu, qemu_build
+from rewind.engine.qemu import QEMU_ENV, qemu_build
+from rewind.errors import NeedsNewerQemu
 from rewind.store import Store
 
 LEGACY_QEMU = Path(__file__).parents[1] / ".cache/qemu-7.2/usr/bin/qemu-system-x86_64"

@@ -14,14 +14,11 @@ from typing import TYPE_CHECKING
 # Names are imported on first use, so that helper processes that import one module
 # of the package (the network filter, the migration splitter) start quickly.
 _EXPORTS = {
-    "ExecResult": "rewind.engine.agent",
     "Home": "rewind.home",
-    "Checkpoint": "rewind.sandbox", "Files": "rewind.sandbox", "Sandbox": "rewind.sandbox",
-    "TreeCopy": "rewind.sandbox", "try_in_copy": "rewind.sandbox",
+    "Files": "rewind.sandbox", "Sandbox": "rewind.sandbox", "try_in_copy": "rewind.sandbox",
     "classify": "rewind.guard.classify", "Decision": "rewind.guard.classify",
-    "Outcome": "rewind.guard.trial",
-    "PortForward": "rewind.engine.ports",
-    "GuardedResult": "rewind.guard.guarded", "Refused": "rewind.guard.guarded",
+    **{name: "rewind.results" for name in (
+        "Checkpoint", "ExecResult", "GuardedResult", "Outcome", "PortForward", "Refused", "TreeCopy")},
     **{name: "rewind.errors" for name in (
         "AgentError", "AgentGone", "AlreadyExists", "Busy", "CommandFailed", "ImageError", "InvalidArgument",
         "MachineDied", "MachineNotRunning", "NotFound", "RewindError")},
@@ -34,8 +31,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rewind.engine.agent import ExecResult
-    from rewind.engine.ports import PortForward
     from rewind.errors import (
         AgentError,
         AgentGone,
@@ -50,10 +45,9 @@ if TYPE_CHECKING:
         RewindError,
     )
     from rewind.guard.classify import Decision, classify
-    from rewind.guard.guarded import GuardedResult, Refused
-    from rewind.guard.trial import Outcome
     from rewind.home import Home
-    from rewind.sandbox import Checkpoint, Files, Sandbox, TreeCopy, try_in_copy
+    from rewind.results import Checkpoint, ExecResult, GuardedResult, Outcome, PortForward, Refused, TreeCopy
+    from rewind.sandbox import Files, Sandbox, try_in_copy
 
 
 def __getattr__(name: str) -> object:

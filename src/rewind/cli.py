@@ -33,7 +33,8 @@ from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
     from rewind.engine.machine import Engine
-    from rewind.sandbox import Checkpoint, Sandbox
+    from rewind.results import Checkpoint
+    from rewind.sandbox import Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
     from rewind.store import CheckpointManifest, Store
 
@@ -879,7 +880,7 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
 @json_option
 def checkpoints(store_dir: str | None, as_json: bool) -> None:
     """Every checkpoint in the store, oldest first."""
-    from rewind.sandbox import Checkpoint
+    from rewind.results import Checkpoint
 
     remote = _remote()
     if remote is None:
@@ -1385,8 +1386,9 @@ def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""
     from rewind.engine import diskchain, ramcache
     from rewind.engine.checkpoint import Caches
-    from rewind.engine.qemu import QemuError, qemu_build
+    from rewind.engine.qemu import qemu_build
     from rewind.engine.template import find_template
+    from rewind.errors import QemuError
     from rewind.image import find_image, recipe_id
 
     engine = _engine()

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import click
 
-from rewind.engine.diff import Diff
-from rewind.engine.filediff import FileChange
+from rewind.results import Diff, FileChange
 
 _MARK = {"added": ("+", "green"), "deleted": ("-", "red"), "modified": ("~", "yellow")}
 

@@ -27,15 +27,15 @@ the code by tests/test_api.py (a new error class must be placed in it):
     │   ├── store.WrongPassword              an encrypted store's password is wrong or missing
     │   ├── store.UntrustedCheckpoint        a point whose signer is not trusted, or signature bad
     │   └── store.RemoteUnavailable          the bucket of an s3:// store did not answer or refused
-    ├── engine.qemu.QemuError                QEMU would not start or run
-    │   └── engine.qemu.NeedsNewerQemu       a point of a board this host's QEMU lacks (a newer one's)
+    ├── QemuError                            QEMU would not start or run
+    │   └── NeedsNewerQemu                   a point of a board this host's QEMU lacks (a newer one's)
     ├── engine.qmp.MonitorError              QEMU refused a QMP command, or its monitor is gone
     ├── engine.migstream.StreamError         a memory capture could not be written out
     ├── engine.ramcache.NoRoom               tmpfs has no room for a memory image
     ├── engine.qcow2.LayerError              a disk layer cannot be read on the host (diff)
     │   └── engine.ext4view.FsError          nor the file system on the disk
     ├── guard.gittier.GitTierError           the git tier could not save or put back a project
-    ├── guard.guarded.Refused                guarded() will not run a command outside the machine
+    ├── results.Refused                      guarded() will not run a command outside the machine
     └── fleet.NodeLost                       the Ray node that ran a machine is gone, and the machine
 """
 
@@ -105,3 +105,11 @@ class CommandFailed(RewindError):
     def __init__(self, message: str, result: object) -> None:
         super().__init__(message)
         self.result = result
+
+
+class QemuError(RewindError):
+    """QEMU could not be started."""
+
+
+class NeedsNewerQemu(QemuError):
+    """A saved state is of a board this host's QEMU does not have: a newer QEMU saved it."""

@@ -10,67 +10,46 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import posixpath
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
-from rewind.engine.agent import ExecResult, exec_deadline
-from rewind.engine.machine import Engine, Machine, MachineInfo, check_ttl
+from rewind.engine.agent import exec_deadline
+from rewind.engine.machine import Engine, Machine, check_ttl
 from rewind.engine.netrules import NetworkRules
-from rewind.engine.ports import LOCAL_HOST, PortForward
-from rewind.errors import AgentError, AlreadyExists, CommandFailed, InvalidArgument, RewindError
-from rewind.guard.trial import DEFAULT_TIMEOUT
+from rewind.errors import InvalidArgument
+from rewind.folders import packed, unpacked
 from rewind.guard.trial import try_in_copy as _try_in_copy
-from rewind.guest import tree
 from rewind.guest.protocol import CHUNK
 from rewind.home import Home
+from rewind.results import (
+    DEFAULT_READ_MAX,
+    LOCAL_HOST,
+    TRY_TIMEOUT,
+    Checkpoint,
+    Command,
+    ExecResult,
+    MachineInfo,
+    PortForward,
+    TreeCopy,
+    checked,
+    command_argv,
+)
 from rewind.store.model import DEFAULT_HISTORY, is_int
 
 # The store, the guard's classifier and the checkpoint machinery are imported where they
 # are used, as in engine/machine.py: exec through a new process (the CLI) starts sooner.
 if TYPE_CHECKING:
-    from rewind.engine.diff import Diff
-    from rewind.engine.points import Point
-    from rewind.guard.guarded import GuardedResult
-    from rewind.guard.trial import Outcome
     from rewind.guard.userrules import UserRules
+    from rewind.results import Diff, GuardedResult, Outcome
     from rewind.serve.client import Remote, RemoteSandbox
-    from rewind.store import CheckpointManifest, HistoryEntry, Store
+    from rewind.store import CheckpointManifest, Store
     from rewind.store.crypto import PasswordSource
 
 __all__ = ["Checkpoint", "ExecResult", "Files", "Network", "Sandbox", "TreeCopy", "try_in_copy"]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A saved point of a machine. `ref` is how a history listing names it (`~0`, `~1`, ...)."""
-
-    id: str
-    name: str | None
-    machine: str
-    parent: str | None
-    created: float
-    labels: dict[str, str]
-    own_bytes: int | None  # what it added to the store that its parent did not have; None: being stored
-    ref: str = "~0"
-    pause_ms: float | None = None  # how long the guest was paused, on what checkpoint() returns
-    context: str | None = None  # what the caller gave checkpoint(context=...)
-    # Who signed it, as this home sees it ("this home (<fingerprint>)", a trusted key's name,
-    # "<fingerprint>, not trusted", "unsigned", "bad signature ..."; signers.describe); None:
-    # not looked at (a point just taken is this home's).
-    signer: str | None = None
-
-    @classmethod
-    def of(cls, entry: HistoryEntry | Point, ref: str = "~0", signer: str | None = None) -> Checkpoint:
-        return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
-                   created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref,
-                   context=entry.meta.get("context"), signer=signer)
 
 
 def check_context(context: object) -> None:
@@ -106,9 +85,7 @@ def open_store(home: Home, store: str | os.PathLike[str] | None, password: Passw
     return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root,
                       password=password)
 
-Command = str | list[str]
 MAX_CONTEXT = 64 * 1024
-DEFAULT_READ_MAX = 256 << 20  # what files.read takes into memory unless told otherwise
 
 
 def _positive(what: str, value: object) -> int:
@@ -121,25 +98,6 @@ def _engine(home: Home | str | os.PathLike[str] | None) -> Engine:
     if isinstance(home, Home):
         return Engine(home)
     return Engine(Home.from_env(home))
-
-
-def command_argv(cmd: Command) -> list[str]:
-    """A string runs under `bash -c`; a list runs the program directly."""
-    if isinstance(cmd, str):
-        if not cmd.strip():
-            raise InvalidArgument("the command is empty")
-        return ["bash", "-c", cmd]
-    if isinstance(cmd, list | tuple) and cmd and all(isinstance(a, str) for a in cmd) and cmd[0]:
-        return list(cmd)
-    raise InvalidArgument("the command must be a non-empty string or a non-empty list of strings")
-
-
-def checked(result: ExecResult, cmd: Command, check: bool) -> ExecResult:
-    """`result`, or CommandFailed if `check` and the command did not exit 0 (exec(check=True))."""
-    if check and not result.ok:
-        why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
-        raise CommandFailed(f"command {why}: {command_argv(cmd)!r}", result)
-    return result
 
 
 class Sandbox:
@@ -416,7 +374,7 @@ def _ref(ref: str | Checkpoint) -> str:
 
 
 def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = None, *, offline: bool = True,
-                cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT, diff: bool = True) -> Outcome:
+                cwd: str | None = None, timeout: float = TRY_TIMEOUT, diff: bool = True) -> Outcome:
     """Run `step`, then `verify`, in a live copy of `sbx` (cut off from the network unless
     `offline=False`). If both exit 0 the copy takes over `sbx`'s name, identity and network
     rules (the same handle now reaches it) and the original is deleted; otherwise the copy
@@ -430,75 +388,14 @@ def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = No
                         timeout=timeout, diff=diff)
 
 
-@dataclass(frozen=True)
-class TreeCopy:
-    """What a folder copy moved (files.upload_dir, download_dir; `rewind cp -r`)."""
-
-    files: int
-    folders: int  # the copied folder too
-    links: int
-    bytes: int  # the files' contents
-    seconds: float
-
-    @classmethod
-    def of(cls, counts: dict[str, int], started: float) -> TreeCopy:
-        return cls(**counts, seconds=round(time.monotonic() - started, 3))
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
-# What a copy's failure on this host is raised as, by its kind (see guest/tree.py): a place
-# taken, a stream the other side got wrong, the host failing, else a path here that is unfit.
-_TREE_ERRORS: dict[str, type[RewindError]] = {"exists": AlreadyExists, "bad_request": AgentError,
-                                              "os_error": RewindError}
 
 
-@contextmanager
-def _tree_errors() -> Iterator[None]:
-    try:
-        yield
-    except tree.TreeError as e:
-        raise _TREE_ERRORS.get(e.kind, InvalidArgument)(str(e)) from e
 
 
-def _reported(chunks: Iterable[bytes], counts: tree.Counts,
-              progress: Callable[[str], None] | None) -> Iterator[bytes]:
-    """`chunks`, telling `progress` once a second what the copy has moved."""
-    due = time.monotonic() + 1.0
-    for chunk in chunks:
-        yield chunk
-        if progress is not None and time.monotonic() >= due:
-            progress(f"{counts.files} files, {counts.bytes / 2**20:.1f} MiB")
-            due = time.monotonic() + 1.0
 
 
-def packed(local: str | os.PathLike[str],
-           progress: Callable[[str], None] | None = None) -> tuple[str | None, Iterator[bytes]]:
-    """A host folder's name and its tar stream, in blocks; InvalidArgument at once if there is
-    no such folder."""
-    path = os.path.abspath(local)
-    with _tree_errors():
-        tree.source(path)
-    counts = tree.Counts()
-
-    def blocks() -> Iterator[bytes]:
-        with _tree_errors():
-            yield from _reported(tree.blocks(tree.pack(path, counts), CHUNK), counts, progress)
-    return os.path.basename(path) or None, blocks()
-
-
-def unpacked(chunks: Iterable[bytes], path: str, local: str | os.PathLike[str],
-             progress: Callable[[str], None] | None = None) -> dict[str, int]:
-    """Unpack the tar stream of the guest folder `path` to `local` by cp -r's rule (see
-    guest/tree.py target), whole or not at all. `chunks` is asked for only once `local` is
-    found fit. Files belong to the caller; setuid, setgid and sticky bits are dropped."""
-    name = posixpath.basename(posixpath.normpath(path)) or None
-    counts = tree.Counts()
-    with _tree_errors():
-        target = tree.target(os.path.abspath(local), name)
-        tree.receive(target, _reported(chunks, counts, progress), 0o777, counts)
-    return counts.as_dict()
 
 
 class Files:

@@ -18,8 +18,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rewind.engine.qemu import QemuError, qemu_build
-from rewind.errors import InvalidArgument
+from rewind.engine.qemu import qemu_build
+from rewind.errors import InvalidArgument, QemuError
 from rewind.image import Image
 from rewind.store.durable import replace_durably
 

@@ -15,6 +15,7 @@ from typing import BinaryIO
 from rewind.engine.unixsock import connect_unix
 from rewind.errors import AgentError, AgentGone, AlreadyExists, GuestFileError, InvalidArgument
 from rewind.guest.protocol import CHUNK, Decoder, encode
+from rewind.results import ExecResult
 from rewind.store.model import is_int
 
 # Resend hello after 50 ms, doubling up to 1 s: rarely (about 3% of sessions here) the first
@@ -36,22 +37,6 @@ def exec_deadline(timeout: float | None) -> float | None:
     without a timeout). It covers reaching the agent too: an agent that leaves the host's
     hellos unanswered holds the caller no longer than one that never ends the command."""
     return None if timeout is None else time.monotonic() + timeout + EXEC_DEADLINE_GRACE
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What a command did. A non-zero exit is a result, not an error."""
-
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
 
 
 @dataclass(frozen=True)

@@ -14,67 +14,21 @@ import contextlib
 import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rewind.engine import diskchain, gueststate, pending
 from rewind.engine.checkpoint import Caches, layer_path
-from rewind.engine.filediff import Disk, FileChange, IndexCache, diff_disks, file_bytes, index_ahead
+from rewind.engine.filediff import Disk, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Engine, Machine
 from rewind.engine.points import Point
 from rewind.errors import InvalidArgument, RewindError
+from rewind.results import Diff, PackageChange
 from rewind.store import Store
 
 CONTENT_LIMIT = 4 << 20  # --content compares text files up to this size
 _STATUS = "/var/lib/dpkg/status"
-
-
-@dataclass(frozen=True)
-class PackageChange:
-    name: str
-    kind: str  # installed, removed, upgraded (or downgraded: any change of version)
-    before: str | None  # version
-    after: str | None
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "before": self.before, "after": self.after}
-
-
-@dataclass(frozen=True)
-class Diff:
-    """From `before` to `after` (each "point ID (machine M)" or "machine M now")."""
-
-    before: str
-    after: str
-    files: list[FileChange]
-    packages: list[PackageChange]
-    # None where a side's guest could not say (a point captured while its agent was busy).
-    processes_started: list[str] | None = None
-    processes_ended: list[str] | None = None
-    listening_opened: list[str] | None = None
-    listening_closed: list[str] | None = None
-    network: dict | None = None  # {"before": rules, "after": rules} if they differ
-    labels: dict | None = None  # {"before": labels, "after": labels} if they differ
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {"before": self.before, "after": self.after, "files": [f.to_json() for f in self.files],
-                "packages": [p.to_json() for p in self.packages],
-                "processes": None if self.processes_started is None else
-                {"started": self.processes_started, "ended": self.processes_ended},
-                "listening": None if self.listening_opened is None else
-                {"opened": self.listening_opened, "closed": self.listening_closed},
-                "network": self.network, "labels": self.labels, "notes": self.notes}
-
-    @classmethod
-    def from_json(cls, d: dict) -> Diff:
-        processes, listening = d.get("processes") or {}, d.get("listening") or {}
-        return cls(before=d["before"], after=d["after"], files=[FileChange.from_json(f) for f in d["files"]],
-                   packages=[PackageChange(**p) for p in d["packages"]],
-                   processes_started=processes.get("started"), processes_ended=processes.get("ended"),
-                   listening_opened=listening.get("opened"), listening_closed=listening.get("closed"),
-                   network=d.get("network"), labels=d.get("labels"), notes=list(d.get("notes", [])))
 
 
 @dataclass

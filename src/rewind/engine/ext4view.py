@@ -14,12 +14,12 @@ from __future__ import annotations
 import io
 import stat
 import struct
-from dataclasses import dataclass
 
 from dissect.extfs import ExtFS
 from dissect.extfs.exceptions import Error as ExtError
 
 from rewind.engine.qcow2 import Chain, LayerError
+from rewind.results import FileStat
 
 _JBD2_MAGIC = 0xC03B3998
 _DESCRIPTOR, _COMMIT, _REVOKE = 1, 2, 5
@@ -35,29 +35,6 @@ _CHECKSUM_LO, _CHECKSUM_HI = slice(0x7C, 0x7E), slice(0x82, 0x84)
 
 class FsError(LayerError):
     """A disk whose file system cannot be read on the host."""
-
-
-@dataclass(frozen=True)
-class FileStat:
-    """What a diff says of one file."""
-
-    type: str  # file, dir, symlink, fifo, socket, char, block
-    mode: int  # permission bits (07777)
-    uid: int
-    gid: int
-    size: int
-    mtime_ns: int
-    target: str | None = None  # a symlink's
-
-    def to_json(self) -> dict:
-        return {"type": self.type, "mode": f"{self.mode:04o}", "uid": self.uid, "gid": self.gid,
-                "size": self.size, "mtime_ns": self.mtime_ns,
-                **({"target": self.target} if self.target else {})}
-
-    @classmethod
-    def from_json(cls, d: dict) -> FileStat:
-        return cls(type=d["type"], mode=int(d["mode"], 8), uid=d["uid"], gid=d["gid"], size=d["size"],
-                   mtime_ns=d["mtime_ns"], target=d.get("target"))
 
 
 _TYPES = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink", stat.S_IFIFO: "fifo",

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import blake3
 
-from rewind.engine.ext4view import ROOT_INO, Ext4View, FileStat
+from rewind.engine.ext4view import ROOT_INO, Ext4View
 from rewind.engine.qcow2 import Chain, LayerId
+from rewind.results import FileChange
 from rewind.store.durable import replace_durably
 
 # Paths a machine changes by itself, or that rewind changes (a copy's identity): shown only
@@ -36,26 +37,6 @@ NOISE = ("/var/log/*", "/var/cache/*", "/var/lib/apt/*", "/var/lib/dpkg/*", "/va
 _INDEX_VERSION = 3
 _BASE_LAYERS = 2
 KEEP_INDEXES = 64  # the image's disk and its template's layer: shared by every machine of an image
-
-
-@dataclass(frozen=True)
-class FileChange:
-    path: str
-    kind: str  # added, deleted, modified
-    before: FileStat | None
-    after: FileStat | None
-    noise: bool = False
-
-    def to_json(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "noise": self.noise,
-                "before": None if self.before is None else self.before.to_json(),
-                "after": None if self.after is None else self.after.to_json()}
-
-    @classmethod
-    def from_json(cls, d: dict) -> FileChange:
-        def stat(s: dict | None) -> FileStat | None:
-            return None if s is None else FileStat.from_json(s)
-        return cls(d["path"], d["kind"], stat(d["before"]), stat(d["after"]), d["noise"])
 
 
 def is_noise(path: str) -> bool:

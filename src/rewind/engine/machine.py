@@ -45,7 +45,6 @@ from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
 from rewind.engine.migstream import has_configuration
 from rewind.engine.netrules import NetworkRules
-from rewind.engine.ports import PortForward
 from rewind.engine.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
@@ -78,6 +77,7 @@ from rewind.errors import (
     RewindError,
 )
 from rewind.home import Home
+from rewind.results import LOCAL_HOST, MachineInfo, PortForward
 from rewind.store.durable import replace_durably
 from rewind.store.model import DEFAULT_HISTORY
 
@@ -220,23 +220,6 @@ class MachineRecord:
             record.handoff = Handoff(**record.handoff)
         record.ports = [PortForward.from_json(p) if isinstance(p, dict) else p for p in record.ports]
         return record
-
-
-@dataclass(frozen=True)
-class MachineInfo:
-    """A machine as `rewind ls` shows it."""
-
-    name: str
-    status: str  # running | stopped | dead | creating
-    memory_mib: int
-    cpus: int
-    labels: dict[str, str]
-    hostname: str
-    pid: int | None
-    created: float
-    accel: str
-    expires: float | None = None  # when its time to live ends, if it has one
-    on_expiry: str | None = None
 
 
 class Machine:
@@ -421,7 +404,7 @@ class Machine:
                 netfilter.update(self.path, rules)
 
     def forward_port(self, guest_port: int, host_port: int | None = None,
-                     host: str = ports.LOCAL_HOST) -> PortForward:
+                     host: str = LOCAL_HOST) -> PortForward:
         """Lead `host:host_port` (default: a free port on 127.0.0.1) to the guest's
         `guest_port`, now and in every QEMU this machine runs in later (see ports.py)."""
         ports.check_port(guest_port, "the guest port")
@@ -432,7 +415,7 @@ class Machine:
             if any(f.guest_port == guest_port for f in self.record.ports):
                 raise AlreadyExists(f"guest port {guest_port} of {self.name!r} is forwarded already "
                                     f"(rewind port {self.name} {guest_port} --remove first)")
-            forward = ports.PortForward(host, host_port or ports.free_port(host), guest_port)
+            forward = PortForward(host, host_port or ports.free_port(host), guest_port)
             if self.status() == "running":
                 # The filter first: the guest's first answer through the forward must pass.
                 netfilter.forward(self.path, [f.guest_port for f in [*self.record.ports, forward]])

@@ -15,40 +15,13 @@ answers any other segment of a connection it does not know with a reset.
 from __future__ import annotations
 
 import socket
-from dataclasses import asdict, dataclass
 
 from rewind.engine.netrules import GUEST_ADDRESS
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.errors import InvalidArgument, PortError
+from rewind.results import PortForward
 
 NETDEV = "net0"
-LOCAL_HOST = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class PortForward:
-    """`host:port` on the host leads to the guest's `guest_port` (TCP). As JSON (the machine
-    record, `rewind port --json`, the HTTP API): `{"host", "port", "guest_port"}`."""
-
-    host: str
-    port: int
-    guest_port: int
-
-    @classmethod
-    def from_json(cls, data: dict) -> PortForward:
-        return cls(host=str(data["host"]), port=int(data["port"]), guest_port=int(data["guest_port"]))
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @property
-    def url(self) -> str:
-        """`http://host:port`, for a web server behind it."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def rule(self) -> str:
-        return f"tcp:{self.host}:{self.port}-{GUEST_ADDRESS}:{self.guest_port}"
 
 
 def check_port(value: int | None, what: str, allow_none: bool = False) -> int | None:
@@ -76,7 +49,7 @@ def free_port(host: str) -> int:
 
 def add(monitor: Monitor, forward: PortForward) -> None:
     """Set `forward` up in the QEMU behind `monitor`."""
-    said = _hmp(monitor, f"hostfwd_add {NETDEV} {forward.rule}", forward)
+    said = _hmp(monitor, f"hostfwd_add {NETDEV} {_rule(forward)}", forward)
     if said:  # HMP answers failures as text, not as a QMP error; success says nothing
         raise PortError(f"cannot forward {forward.host}:{forward.port} to guest port "
                         f"{forward.guest_port}: {said.splitlines()[0]} (is the host port in use?)")
@@ -93,3 +66,8 @@ def _hmp(monitor: Monitor, command: str, forward: PortForward) -> str:
         return (monitor.cmd("human-monitor-command", **{"command-line": command}) or "").strip()
     except MonitorError as e:
         raise PortError(f"cannot change the forward of {forward.host}:{forward.port}: {e}") from e
+
+
+def _rule(forward: PortForward) -> str:
+    """The forward as QEMU's user network writes it (hostfwd_add)."""
+    return f"tcp:{forward.host}:{forward.port}-{GUEST_ADDRESS}:{forward.guest_port}"

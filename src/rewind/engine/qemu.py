@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.errors import RewindError
+from rewind.errors import NeedsNewerQemu, QemuError
 
 QEMU_BINARY = "qemu-system-x86_64"
 # Another QEMU than the one on PATH, by the path of its qemu-system-x86_64: one unpacked beside
@@ -56,14 +56,6 @@ NET_TO_GUEST = "net-reply.sock"  # frames the filter sends to the guest
 
 def agent_socket(i: int) -> str:
     return f"agent-{i}.sock"
-
-
-class QemuError(RewindError):
-    """QEMU could not be started."""
-
-
-class NeedsNewerQemu(QemuError):
-    """A saved state is of a board this host's QEMU does not have: a newer QEMU saved it."""
 
 
 @dataclass(frozen=True)

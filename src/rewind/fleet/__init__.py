@@ -28,11 +28,11 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rewind.engine.agent import ExecResult
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MachineInfo
+from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.errors import RewindError
 from rewind.home import Home
-from rewind.sandbox import Checkpoint, Command, Sandbox
+from rewind.results import Checkpoint, Command, ExecResult, MachineInfo
+from rewind.sandbox import Sandbox
 from rewind.signers import signing_key, use_key
 from rewind.store.signing import SigningKey
 

@@ -18,62 +18,20 @@ where it tried to go) or, when allowed, run on the machine after a checkpoint.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rewind.engine.agent import ExecResult
 from rewind.engine.machine import Engine, Machine
-from rewind.errors import RewindError
 from rewind.guard import gittier
-from rewind.guard.classify import Decision, Kind, classify
-from rewind.guard.trial import Outcome, try_in_copy
+from rewind.guard.classify import Kind, classify
+from rewind.guard.trial import try_in_copy
 from rewind.guard.userrules import NO_RULES, UserRules
+from rewind.results import ExecResult, GuardedResult, Outcome, Refused
 
 if TYPE_CHECKING:
     from rewind.store import Store
 
 DEFAULT_CWD = "/root"  # the guest agent's own default working directory
 TRIAL_TIMEOUT = 600.0
-
-
-class Refused(RewindError):
-    """A guarded step was not run, or not kept: it acts outside the machine (by the classifier,
-    or `attempted`: what it tried to reach from an offline copy) and that was not allowed."""
-
-    def __init__(self, message: str, decision: Decision, attempted: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.decision = decision
-        self.attempted = attempted
-
-
-@dataclass(frozen=True)
-class GuardedResult:
-    """What a guarded step did. `path` is how it ran: direct, git, copy or checkpoint;
-    `undone` says its changes were taken back because it (or verify) failed."""
-
-    kind: str
-    path: str
-    reasons: list[str]
-    result: ExecResult | None  # the step's own result; None if the guest died under it
-    verify: ExecResult | None
-    undone: bool
-    note: str  # what happened, in words
-    seconds: float
-    outcome: Outcome | None = None  # the copy path's outcome
-    checkpoint: str | None = None  # the point saved before an external step
-
-    @property
-    def ok(self) -> bool:
-        return self.result is not None and self.result.ok and (self.verify is None or self.verify.ok)
-
-    def to_json(self) -> dict:
-        def res(r: ExecResult | None) -> dict | None:
-            return None if r is None else {"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr,
-                                           "timed_out": r.timed_out}
-        return {"kind": self.kind, "path": self.path, "reasons": self.reasons, "ok": self.ok,
-                "undone": self.undone, "note": self.note, "result": res(self.result),
-                "verify": res(self.verify), "checkpoint": self.checkpoint, "seconds": round(self.seconds, 3),
-                "outcome": None if self.outcome is None else self.outcome.to_json()}
 
 
 def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, verify: str | None = None,

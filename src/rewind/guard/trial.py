@@ -12,75 +12,17 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rewind.engine.agent import ExecResult, exec_deadline
+from rewind.engine.agent import exec_deadline
 from rewind.engine.machine import Engine, Machine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
+from rewind.results import TRY_TIMEOUT, Outcome, StepRun
 
 if TYPE_CHECKING:
-    from rewind.engine.diff import Diff
+    from rewind.results import Diff
     from rewind.store import Store
-
-DEFAULT_TIMEOUT = 600.0
-
-
-@dataclass(frozen=True)
-class StepRun:
-    """One command run in the copy; `error` says why it has no result (the guest died...)."""
-
-    command: str
-    result: ExecResult | None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.result is not None and self.result.ok
-
-    def describe(self, what: str) -> str:
-        if self.error is not None:
-            return f"{what} failed: {self.error}"
-        assert self.result is not None
-        if self.result.timed_out:
-            return f"{what} timed out"
-        return f"{what} exited with {self.result.exit_code}"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What try_in_copy did. `kept` is "copy" (the step's machine now runs under the
-    original's name) or "original" (the copy was thrown away)."""
-
-    kept: str
-    passed: bool
-    log: str
-    reason: str
-    step: StepRun
-    verify: StepRun | None
-    copy_name: str
-    seconds: float
-    # With watch: what the step (or verify) tried to reach outside the machine and the copy's
-    # network filter refused; any makes the copy go, whatever the exit codes.
-    attempted: tuple[str, ...] = ()
-    # What the step did to the copy, whether or not it was kept (None: not asked for, or the
-    # copy could not be read: its QEMU died).
-    diff: Diff | None = None
-
-    def to_json(self) -> dict:
-        def run_json(run: StepRun | None) -> dict | None:
-            if run is None:
-                return None
-            r = run.result
-            return {"command": run.command, "error": run.error,
-                    "exit_code": None if r is None else r.exit_code,
-                    "timed_out": None if r is None else r.timed_out,
-                    "stdout": None if r is None else r.stdout, "stderr": None if r is None else r.stderr}
-        return {"kept": self.kept, "passed": self.passed, "reason": self.reason, "log": self.log,
-                "step": run_json(self.step), "verify": run_json(self.verify), "copy": self.copy_name,
-                "seconds": round(self.seconds, 3), "attempted": list(self.attempted),
-                "diff": None if self.diff is None else self.diff.to_json()}
 
 
 def run_in(machine: Machine, command: str, cwd: str | None, timeout: float) -> StepRun:
@@ -130,7 +72,7 @@ def _log(*runs: StepRun | None) -> str:
 
 def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verify: str | None,
                 offline: bool = True, cwd: str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, watch: bool = False, diff: bool = True) -> Outcome:
+                timeout: float = TRY_TIMEOUT, watch: bool = False, diff: bool = True) -> Outcome:
     """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`.
     `watch`: the copy is not kept if it tried to reach anything its rules refused (the guard,
     for programs it does not know); Outcome.attempted says what. `diff`: Outcome.diff says

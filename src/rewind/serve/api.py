@@ -35,7 +35,7 @@ from starlette.types import ASGIApp
 
 from rewind.errors import InvalidArgument, OverBudget, RewindError
 from rewind.home import Home
-from rewind.sandbox import command_argv
+from rewind.results import command_argv
 from rewind.serve import wire
 from rewind.serve.access import (
     OCTETS,

@@ -14,24 +14,31 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import httpx2
 
-from rewind.engine.agent import ExecResult
-from rewind.engine.machine import MachineInfo
-from rewind.engine.ports import LOCAL_HOST, PortForward
 from rewind.errors import InvalidArgument, RewindError
+from rewind.folders import packed, unpacked
 from rewind.guard.classify import Decision
-from rewind.guard.guarded import GuardedResult
-from rewind.guard.trial import DEFAULT_TIMEOUT, Outcome
 from rewind.guest.protocol import CHUNK
 from rewind.home import Home
-from rewind.sandbox import DEFAULT_READ_MAX, Checkpoint, Command, TreeCopy, checked, packed, unpacked
+from rewind.results import (
+    DEFAULT_READ_MAX,
+    LOCAL_HOST,
+    TRY_TIMEOUT,
+    Checkpoint,
+    Command,
+    Diff,
+    ExecResult,
+    GuardedResult,
+    MachineInfo,
+    Outcome,
+    PortForward,
+    TreeCopy,
+    checked,
+)
 from rewind.serve import wire
-
-if TYPE_CHECKING:
-    from rewind.engine.diff import Diff
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 RAW_BODY = {"Content-Type": "application/octet-stream"}
@@ -242,14 +249,14 @@ class RemoteSandbox:
         return wire.guarded_from(self._call("POST", "/guarded", json=body))
 
     def try_in_copy(self, step: str, verify: str | None = None, *, offline: bool = True,
-                    cwd: str | None = None, timeout: float = DEFAULT_TIMEOUT, diff: bool = True) -> Outcome:
+                    cwd: str | None = None, timeout: float = TRY_TIMEOUT, diff: bool = True) -> Outcome:
         body = {"step": step, "verify": verify, "offline": offline, "cwd": cwd, "timeout": timeout,
                 "diff": diff}
         return wire.outcome_from(self._call("POST", "/try", json=body))
 
     def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,
              paths: list[str] | None = None) -> Diff:
-        from rewind.engine.diff import Diff
+        from rewind.results import Diff
 
         params: dict[str, Any] = {"before": a.id if isinstance(a, Checkpoint) else a, "all": noise,
                                   "paths": paths or []}

@@ -16,14 +16,13 @@ from typing import Any
 from rewind.engine import DEFAULT_MEMORY_MIB
 from rewind.engine.machine import Engine, check_ttl
 from rewind.engine.netrules import NetworkRules
-from rewind.engine.ports import LOCAL_HOST
 from rewind.engine.timeline import PointMeta
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import Decision, Kind, classify
-from rewind.guard.guarded import Refused
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
-from rewind.sandbox import Checkpoint, Command, Sandbox, history_of, open_store, try_in_copy
+from rewind.results import LOCAL_HOST, Checkpoint, Command, Refused
+from rewind.sandbox import Sandbox, history_of, open_store, try_in_copy
 from rewind.serve import wire
 from rewind.serve.budget import Admission, Budget
 from rewind.serve.metrics import Metrics, measured

@@ -12,13 +12,9 @@ import dataclasses
 from typing import Any
 
 from rewind import errors
-from rewind.engine.agent import ExecResult
-from rewind.engine.machine import MachineInfo
-from rewind.engine.qemu import NeedsNewerQemu
+from rewind.errors import NeedsNewerQemu
 from rewind.guard.classify import Decision, Kind
-from rewind.guard.guarded import GuardedResult, Refused
-from rewind.guard.trial import Outcome, StepRun
-from rewind.sandbox import Checkpoint
+from rewind.results import Checkpoint, Diff, ExecResult, GuardedResult, MachineInfo, Outcome, Refused, StepRun
 from rewind.store import errors as store_errors
 
 PROBLEM_TYPE = "application/problem+json"
@@ -124,8 +120,6 @@ def _run_from(d: dict[str, Any] | None) -> StepRun | None:
 
 
 def outcome_from(d: dict[str, Any]) -> Outcome:
-    from rewind.engine.diff import Diff  # the host-side disk readers: only when there is one
-
     step = _run_from(d["step"])
     assert step is not None
     return Outcome(kept=d["kept"], passed=d["passed"], log=d["log"], reason=d["reason"], step=step,
