@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
+import time
 from io import BytesIO
 from pathlib import Path
 
 import pytest
-from conftest import rewind_cli
-from test_s3_store import _point_at, server  # noqa: F401 (the module's server fixture)
+from conftest import cleanup_home, rewind_cli
+from test_s3_store import _point_at, _until, server  # noqa: F401 (the module's server fixture)
 
+from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
 from rewind.errors import InvalidArgument
 from rewind.store import CorruptChunk, Store, StoreError, WrongPassword
-from rewind.store.cache import UPLOAD_ENV, CachedStore, cache_root
+from rewind.store.cache import UPLOAD_ENV, CachedStore, PushReport, cache_root
+from rewind.store.locks import held_file
 
 CS = 4096
 PASSWORD = "correct horse"
@@ -82,6 +86,12 @@ def test_an_encrypted_bucket_keeps_nothing_in_the_clear(bucket: tuple[str, Path]
     b.materialize(got.blobs["ram"], tmp_path / "out")
     assert (tmp_path / "out").read_bytes() == data
     assert b.check(read_data=True).ok
+    # The detached uploader gets the keys, not the password: here there is none in the environment.
+    monkeypatch.delenv(UPLOAD_ENV)
+    with b.lock():
+        later = b.commit("web", {"ram": b.put_blob(BytesIO(data[::-1]))}, name="later")
+    _until(lambda: not b.queued(), 60, "the detached uploader")
+    assert a.get("later").id == later.id
     # A flipped byte in a bucket object is refused on read.
     key = next(k for k in objects if k.startswith("chunks/"))
     raw = bytearray((folder / key).read_bytes())
@@ -139,3 +149,66 @@ def test_the_cli_makes_an_encrypted_bucket_and_manages_its_keys(bucket: tuple[st
     assert wrong.returncode != 0 and b"wrong password" in wrong.stderr and b"Traceback" not in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
     assert not cache_root(url, tmp_path / "h3").exists()
+
+
+def test_push_counts_what_an_upload_already_running_sent(bucket: tuple[str, Path], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = bucket
+    monkeypatch.setenv(UPLOAD_ENV, "off")
+    a = _open(url, tmp_path / "a", create=True)
+    with a.lock():
+        point = a.commit("web", {"ram": a.put_blob(BytesIO(_secret_blob(4)))}).id
+    reports: list[PushReport] = []
+    with held_file(a.root / "outbox.lock", 5):  # an upload running, as the detached one would
+        waiting = threading.Thread(target=lambda: reports.append(a.push()))
+        waiting.start()
+        time.sleep(0.5)
+        a._push(PushReport())
+    waiting.join()
+    [report] = reports
+    assert report.points == [point] and report.meanwhile == 1 and report.chunks == 4 and report.bytes > 0
+    assert not a.queued()
+    a.wait_uploaded(point)  # already there: returns at once
+
+
+def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tuple[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither a file's content nor a process's memory is in any object of the bucket; the
+    point taken with wait=True is in the bucket when it returns, and a second home with the
+    password at once makes a machine from it and reads both back."""
+    url, folder = bucket
+    disk_marker, memory_marker = "DISKMARK-b61f0c2e7a", "MEMMARK-0d4e9b71c3"
+    Store.open(url, create=True, encrypt=True, password=PASSWORD, home=home.root)
+    monkeypatch.setenv("REWIND_STORE", url)
+    monkeypatch.setenv("REWIND_PASSWORD", PASSWORD)
+    sbx = Sandbox.create("secret")
+    sbx.exec(f"printf '{disk_marker}%.0s' $(seq 1000) > /root/marker.txt && sync", check=True)
+    sbx.exec(f"""nohup python3 -c "import time; s='{memory_marker}'*1000; time.sleep(600)" """
+             ">/dev/null 2>&1 &", check=True)
+    point = sbx.checkpoint(name="with-secrets", wait=True)
+    assert point.uploaded is True
+    other = Home(root=tmp_path / "other-home", images=home.images)
+    try:
+        copy = Sandbox.create("copy", from_checkpoint="with-secrets", home=other)
+        assert copy.files.read("/root/marker.txt").decode() == disk_marker * 1000
+        running = copy.exec("cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+        assert memory_marker in running  # the process that held it runs on in the new machine
+    finally:
+        cleanup_home(other)
+    objects = _objects(folder)
+    assert any(k.startswith("chunks/") for k in objects)
+    for key, content in objects.items():
+        assert disk_marker.encode() not in content and memory_marker.encode() not in content, key
+    # The CLI says where a point is: --wait=local returns once stored here; log and doctor say
+    # what is not uploaded yet; push waits for the upload running and says what it sent.
+    env = {"REWIND_HOME": str(home.root)}
+    local = rewind_cli("checkpoint", "secret", "--wait=local", env=env)
+    assert local.returncode == 0, local.stderr
+    assert b"stored on this host (uploading)" in local.stdout or b"uploaded" in local.stdout
+    pushed = rewind_cli("store", "push", env=env)
+    said = pushed.stdout + pushed.stderr
+    assert pushed.returncode == 0 and (b"uploaded 1 checkpoint(s)" in said or b"nothing left" in said), said
+    logged = rewind_cli("log", "secret", env=env)
+    assert b"UPLOADED" in logged.stdout and b"on this host only" not in logged.stdout, logged.stdout
+    doctor = rewind_cli("doctor", env=env)
+    assert b"0 checkpoint(s) stored on this host, not uploaded yet" in doctor.stdout, doctor.stdout

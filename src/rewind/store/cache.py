@@ -365,6 +365,19 @@ class CachedStore(Store):
                              f"to {self.url}: {why}")
         return report
 
+    def last_upload(self) -> dict | None:
+        """The last line of uploads.jsonl (the last point uploaded from here), if any."""
+        try:
+            with open(self.root / "uploads.jsonl", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                tail = f.read().splitlines()
+        except FileNotFoundError:
+            return None
+        with suppress(ValueError, IndexError):
+            last = json.loads(tail[-1])
+            return last if isinstance(last, dict) else None
+        return None
+
     def _push(self, report: PushReport) -> None:
         queued = self.queued()
         if not queued:
