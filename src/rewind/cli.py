@@ -913,9 +913,10 @@ def store_group() -> None:
 @store_option
 @json_option
 def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_json: bool) -> None:
-    """Make a checkpoint store (folders only, for --encrypt)."""
+    """Make a checkpoint store: a folder, or s3://bucket/prefix."""
     from rewind.store import DEFAULT_CHUNK_SIZE, Store
     from rewind.store.backends import is_remote
+    from rewind.store.cache import CachedStore
 
     _local_only("store init")
     spec = store_dir or os.environ.get("REWIND_STORE") or str(_engine().home.store)
@@ -924,10 +925,11 @@ def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_
     size = DEFAULT_CHUNK_SIZE if chunk_size is None else _parse_bytes(chunk_size)
     store = Store.open(spec, create=True, chunk_size=size, encrypt=encrypt,
                        password=_ask_password("password of the new store", confirm=True))
+    where = store.url if isinstance(store, CachedStore) else str(store.root)
     if as_json:
-        emit_json({"store": str(store.root), "encrypted": store.encrypted, "key": store.key_id})
+        emit_json({"store": where, "encrypted": store.encrypted, "key": store.key_id})
     else:
-        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {store.root}")
+        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {where}")
 
 
 def _parse_bytes(text: str) -> int:

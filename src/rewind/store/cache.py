@@ -85,6 +85,7 @@ UPLOAD_ENV = "REWIND_STORE_UPLOAD"
 CONNECTIONS = 16  # requests in flight: network-bound, not CPU-bound
 _RETRY_AFTER = 10.0  # after the bucket did not answer, lookups use what is here for this long
 _ORPHAN_AGE = 600.0  # a queued id with no manifest this old was never committed
+_REFETCH_AFTER = 1.0  # a fetched chunk that fails its check is asked for again after this long
 # How long push() waits for an upload already running (the detached one sends a whole point).
 UPLOAD_WAIT = 600.0
 
@@ -156,6 +157,8 @@ def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | N
             replace_durably(root / REMOTE_FILE, json.dumps(remote).encode())
     store = Store.open(root, lock_timeout=lock_timeout, password=password)
     assert isinstance(store, CachedStore)
+    if encrypt and not store.encrypted:
+        raise InvalidArgument(f"there is a checkpoint store at {url} already, and it is not encrypted")
     return store
 
 
@@ -537,11 +540,20 @@ class CachedStore(Store):
         return sum(size for _, _, size in staged)
 
     def _fetch_chunk(self, h: str) -> tuple[str, Path, int]:
-        try:
-            data = self.objects.get(chunk_key(h))
-        except KeyError as e:
-            raise CorruptChunk(f"chunk {h} is missing from this host and from {self.url}") from e
-        self.codec.decode(h, data)
+        for attempt in range(2):
+            try:
+                data = self.objects.get(chunk_key(h))
+            except KeyError as e:
+                raise CorruptChunk(f"chunk {h} is missing from this host and from {self.url}") from e
+            try:
+                self.codec.decode(h, data)
+                break
+            except CorruptChunk:
+                # Asked once more: rclone 1.74's serve s3 once answered a chunk written 14 s
+                # before with an empty body (a run of tests/test_s3_store.py), whole on disk.
+                if attempt:
+                    raise
+                time.sleep(_REFETCH_AFTER)
         return h, write_tmp(self._tmp, data, sync=False), len(data)
 
     def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str], durable: bool = False) -> None:
