@@ -212,3 +212,11 @@ def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tup
     assert b"UPLOADED" in logged.stdout and b"on this host only" not in logged.stdout, logged.stdout
     doctor = rewind_cli("doctor", env=env)
     assert b"0 checkpoint(s) stored on this host, not uploaded yet" in doctor.stdout, doctor.stdout
+
+
+def test_the_http_api_takes_wait_local() -> None:
+    from rewind.serve.api import CheckpointBody
+
+    assert CheckpointBody(wait="local").wait == "local" and CheckpointBody(wait=True).wait is True
+    with pytest.raises(ValueError, match="wait"):
+        CheckpointBody(wait="later")

@@ -219,10 +219,13 @@ def _slots(files: dict[str, bytes], where: str) -> list[KeySlot]:
 
 
 def _unb64(text: object, url: str) -> bytes:
+    """The key check of a bucket's config (or a cache's remote.json)."""
     try:
-        return base64.b64decode(str(text), validate=True)
-    except ValueError as e:
-        raise StoreError(f"the checkpoint store at {url} is damaged: its key check is unreadable") from e
+        if isinstance(text, str):
+            return base64.b64decode(text, validate=True)
+    except ValueError:
+        pass
+    raise StoreError(f"the checkpoint store at {url} is damaged: its key check is unreadable")
 
 
 def _mirror_keys(objects: ObjectStore, folder: Path) -> dict[str, bytes]:
@@ -344,9 +347,9 @@ class CachedStore(Store):
                 raise StoreBusy(f"another upload to {self.url} is running (waited {wait:g} s)")
             report = PushReport()
             for line in _lines_from(log, seen):
-                report.points.append(line["id"])
-                report.chunks += line["chunks"]
-                report.bytes += line["bytes"]
+                report.points.append(str(line.get("id")))
+                report.chunks += int(line.get("chunks", 0))
+                report.bytes += int(line.get("bytes", 0))
             report.meanwhile = len(report.points)
             self._push(report)
         report.seconds = time.monotonic() - started
