@@ -916,7 +916,6 @@ def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_
     """Make a checkpoint store: a folder, or s3://bucket/prefix."""
     from rewind.store import DEFAULT_CHUNK_SIZE, Store
     from rewind.store.backends import is_remote
-    from rewind.store.cache import CachedStore
 
     _local_only("store init")
     spec = store_dir or os.environ.get("REWIND_STORE") or str(_engine().home.store)
@@ -925,11 +924,10 @@ def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_
     size = DEFAULT_CHUNK_SIZE if chunk_size is None else _parse_bytes(chunk_size)
     store = Store.open(spec, create=True, chunk_size=size, encrypt=encrypt,
                        password=_ask_password("password of the new store", confirm=True))
-    where = store.url if isinstance(store, CachedStore) else str(store.root)
     if as_json:
-        emit_json({"store": where, "encrypted": store.encrypted, "key": store.key_id})
+        emit_json({"store": store.where, "encrypted": store.encrypted, "key": store.key_id})
     else:
-        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {where}")
+        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {store.where}")
 
 
 def _parse_bytes(text: str) -> int:
@@ -1001,7 +999,7 @@ def _keyed_store(store_dir: str | None) -> Store:
     _local_only("store key")
     store = _store(store_dir)
     if not store.encrypted:
-        raise InvalidArgument(f"the checkpoint store at {store.root} is not encrypted: it has no keys")
+        raise InvalidArgument(f"the checkpoint store at {store.where} is not encrypted: it has no keys")
     return store
 
 

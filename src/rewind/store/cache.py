@@ -285,6 +285,10 @@ class CachedStore(Store):
         return f"CachedStore({self.url!r}, cache={str(self.root)!r})"
 
     @property
+    def where(self) -> str:
+        return self.url
+
+    @property
     def objects(self) -> ObjectStore:
         if self._objects is None:
             self._objects = open_objects(self.url)

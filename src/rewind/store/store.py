@@ -159,6 +159,11 @@ class Store:
     def encrypted(self) -> bool:
         return self.keys is not None
 
+    @property
+    def where(self) -> str:
+        """How messages name the store: its folder (a bucket's URL for a CachedStore)."""
+        return str(self.root)
+
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
              lock_timeout: float | None = None, home: os.PathLike[str] | None = None,
@@ -267,7 +272,7 @@ class Store:
 
     def _keys_folder(self) -> Path:
         if self.keys is None:
-            raise InvalidArgument(f"the checkpoint store at {self.root} is not encrypted: it has no keys")
+            raise InvalidArgument(f"the checkpoint store at {self.where} is not encrypted: it has no keys")
         return self.root / "keys"
 
     @contextmanager
