@@ -209,7 +209,7 @@ def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tup
     said = pushed.stdout + pushed.stderr
     assert pushed.returncode == 0 and (b"uploaded 1 checkpoint(s)" in said or b"nothing left" in said), said
     logged = rewind_cli("log", "secret", env=env)
-    assert b"UPLOADED" in logged.stdout and b"on this host only" not in logged.stdout, logged.stdout
+    assert b"UPLOADED" in logged.stdout and b"not yet" not in logged.stdout, logged.stdout
     doctor = rewind_cli("doctor", env=env)
     assert b"0 checkpoint(s) stored on this host, not uploaded yet" in doctor.stdout, doctor.stdout
 
@@ -220,3 +220,20 @@ def test_the_http_api_takes_wait_local() -> None:
     assert CheckpointBody(wait="local").wait == "local" and CheckpointBody(wait=True).wait is True
     with pytest.raises(ValueError, match="wait"):
         CheckpointBody(wait="later")
+
+
+def test_gc_and_names_in_an_encrypted_bucket(bucket: tuple[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    url, folder = bucket
+    monkeypatch.setenv(UPLOAD_ENV, "sync")
+    a = _open(url, tmp_path / "a", create=True)
+    with a.lock():
+        gone = a.commit("web", {"ram": a.put_blob(BytesIO(os.urandom(3 * CS)))}, name="gone")
+        kept = a.commit("web", {"ram": a.put_blob(BytesIO(_secret_blob(2)))}, name="kept")
+    assert sorted(os.listdir(folder / "names")) == sorted([a._name_key("gone")[6:], a._name_key("kept")[6:]])
+    a.delete("gone")
+    report = a.gc()
+    assert report.chunks_removed >= 3
+    assert os.listdir(folder / "names") == [a._name_key("kept")[6:]]
+    assert _open(url, tmp_path / "c").get("kept").id == kept.id and a.check(read_data=True).ok
+    assert gone.id not in {m.id for m in _open(url, tmp_path / "d").list()}

@@ -663,7 +663,7 @@ def _print_points(points: list[Checkpoint]) -> None:
         table.add_column(column)
     for c in points:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
-        uploaded = ["yes" if c.uploaded else "no, on this host only"] if bucket else []
+        uploaded = ["yes" if c.uploaded else "not yet"] if bucket else []
         table.add_row(c.ref, c.id[:12], escape(c.name or ""), created, f"{c.own_bytes / (1 << 20):.1f} MiB",
                       *uploaded, escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
     Console().print(table)
