@@ -237,3 +237,20 @@ def test_gc_and_names_in_an_encrypted_bucket(bucket: tuple[str, Path], tmp_path:
     assert os.listdir(folder / "names") == [a._name_key("kept")[6:]]
     assert _open(url, tmp_path / "c").get("kept").id == kept.id and a.check(read_data=True).ok
     assert gone.id not in {m.id for m in _open(url, tmp_path / "d").list()}
+
+
+def test_a_making_that_died_leaves_no_key_that_counts(bucket: tuple[str, Path], tmp_path: Path) -> None:
+    """A key file left in the bucket by a making that died before its config opens other
+    keys: the next making removes it, and it never opens the store."""
+    url, folder = bucket
+    from rewind.store import crypto
+
+    dead = crypto.new_slot(crypto.Keys.new(), PASSWORD)
+    (folder / "keys").mkdir(parents=True)
+    (folder / "keys" / dead.id).write_text(json.dumps(dead.to_json()))
+    a = _open(url, tmp_path / "a", create=True)
+    assert a.key_id != dead.id and os.listdir(folder / "keys") == [a.key_id]
+    # Put back (a writer of the bucket), it is still not taken for the store's key.
+    (folder / "keys" / dead.id).write_text(json.dumps(dead.to_json()))
+    b = _open(url, tmp_path / "b")
+    assert b.key_id == a.key_id

@@ -184,8 +184,15 @@ def _bucket_config(objects: ObjectStore, url: str, create: bool, chunk_size: int
                     "check": base64.b64encode(keys.check_value()).decode()}
         objects.put_new(CONFIG, json.dumps(mine).encode())
         config = json.loads(objects.get(CONFIG))  # another host may have made it first
-        if slot is not None and config != mine:
-            objects.delete([key_key(slot.id)])  # its keys sealed nothing
+        if slot is not None:
+            # A losing making's key file opens keys that sealed nothing: ours if another host won,
+            # else those of makings that died or lost. None may stay, or it could be taken for a
+            # second key and the real one removed as not the last.
+            ours = key_key(slot.id)
+            if config == mine:
+                objects.delete([info.key for info in objects.list("keys/") if info.key != ours])
+            else:
+                objects.delete([ours])
     except ValueError as e:
         raise StoreError(f"the checkpoint store at {url} is damaged: config.json is unreadable") from e
     if not isinstance(config, dict) or config.get("format") not in (FORMAT, ENCRYPTED_FORMAT):
