@@ -71,7 +71,7 @@ from rewind.store.remote import (
     name_key,
     remote_lock,
 )
-from rewind.store.store import CheckReport, GcReport, Store, _create
+from rewind.store.store import CheckReport, GcReport, Store, _create, default_lock_timeout
 
 if TYPE_CHECKING:
     from rewind.store.crypto import Keys, KeySlot, PasswordSource
@@ -144,17 +144,20 @@ def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | N
         objects = open_objects(url)
         config = _bucket_config(objects, url, create, chunk_size, encrypt, password)
         remote: dict[str, object] = {"url": url, "version": 1}
-        key_files = None
+        key_files, made = None, None
         if config["format"] == ENCRYPTED_FORMAT:
             key_files = _bucket_key_files(objects)
-            password = crypto.password(password, url)  # a str from here on: asked for once
             check = _unb64(config.get("check"), url)
-            crypto.unlock_slots(_slots(key_files, url), password, url, check)
+            made = crypto.unlock_slots(_slots(key_files, url), crypto.password(password, url), url, check)
             remote["check"] = config["check"]
         with os_errors(f"make a cache of {url} at {root}"):
             if not (root / "config.json").exists():
                 _create(root, config["chunk_size"], False, key_files)
             replace_durably(root / REMOTE_FILE, json.dumps(remote).encode())
+        if made is not None:  # opened already: scrypt once, not twice
+            return CachedStore.of_folder(root, config["chunk_size"],
+                                         default_lock_timeout() if lock_timeout is None else lock_timeout,
+                                         encrypted=True, keys=made)
     store = Store.open(root, lock_timeout=lock_timeout, password=password)
     assert isinstance(store, CachedStore)
     if encrypt and not store.encrypted:
@@ -804,5 +807,4 @@ def _open_with(root: Path, keys: tuple[Keys, str]) -> CachedStore:
         chunk_size = json.loads((root / "config.json").read_bytes())["chunk_size"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StoreError(f"the store cache at {root} is damaged: config.json is unreadable") from e
-    lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
-    return CachedStore.of_folder(root, chunk_size, lock_timeout, encrypted=True, keys=keys)
+    return CachedStore.of_folder(root, chunk_size, default_lock_timeout(), encrypted=True, keys=keys)

@@ -123,6 +123,11 @@ class GcReport:
     packs_rewritten: int = 0
 
 
+def default_lock_timeout() -> float:
+    """How long store locks are waited for unless told: $REWIND_LOCK_TIMEOUT, else 30 s."""
+    return float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+
+
 def new_checkpoint_id() -> str:
     """An id for a checkpoint, for a caller that must name it before committing it."""
     return secrets.token_hex(16)
@@ -213,7 +218,7 @@ class Store:
         if version == 1:
             _upgrade(root, chunk_size)
         if lock_timeout is None:
-            lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+            lock_timeout = default_lock_timeout()
         if (root / "remote.json").exists():  # the cache of a store in a bucket
             from rewind.store.cache import CachedStore
 
