@@ -230,11 +230,10 @@ def test_a_checkpoint_taken_in_one_home_runs_as_a_new_machine_in_another(
     with Sandbox.create(home=home) as sbx:
         sbx.exec("echo made-in-home-a > /root/mark && sync", check=True)
         taken = time.monotonic()
-        point = sbx.checkpoint(name="from-a")
-    store = _open(url, home.root)
-    # The detached committer stores it here, then the detached uploader sends it.
-    _until(lambda: store.queued() == [] and (store.root / "uploads.jsonl").exists(), 120, "the upload")
+        # wait=True: it returns once the point is in the bucket, whoever uploaded it.
+        point = sbx.checkpoint(name="from-a", wait=True)
     uploaded = time.monotonic() - taken
+    assert point.uploaded is True and _open(url, home.root).queued() == []
     other = Home(root=tmp_path / "home-b", images=home.images)
     trust(other, signing_key(home).public)  # the point is signed by home A
     try:

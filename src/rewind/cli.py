@@ -687,12 +687,17 @@ def _print_points(points: list[Checkpoint]) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "SIGNED BY", "LABELS"):
+    # A store in a bucket: which points are only on this host so far.
+    bucket = any(c.uploaded is not None for c in points)
+    for column in ("REF", "ID", "NAME", "CREATED", "OWN DATA", "SIGNED BY", *(["UPLOADED"] if bucket else []),
+                   "LABELS"):
         table.add_column(column)
     for c in points:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
+        uploaded = ["yes" if c.uploaded else "not yet"] if bucket else []
         table.add_row(c.ref, c.id[:12], escape(c.name or ""), created, f"{c.own_bytes / (1 << 20):.1f} MiB",
-                      escape(c.signer or ""), escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
+                      escape(c.signer or ""), *uploaded,
+                      escape(",".join(f"{k}={v}" for k, v in c.labels.items())))
     Console().print(table)
 
 
@@ -704,18 +709,21 @@ def _print_points(points: list[Checkpoint]) -> None:
               help="Also write the checkpoint (its index and history) to this file.")
 @click.option("--history", default=DEFAULT_HISTORY, show_default=True, type=click.IntRange(min=0),
               help="Earlier points kept inside the checkpoint.")
-@click.option("--wait", is_flag=True,
-              help="Return once it is in the store, not once it is captured.")
+@click.option("--wait", is_flag=False, flag_value="uploaded", default=None,
+              type=click.Choice(["uploaded", "local"]),
+              help="Return once it is in the store, not once it is captured; an s3:// store's once it is "
+                   "uploaded, or with --wait=local once it is stored on this host (uploading).")
 @store_option
 @json_option
 def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], output: str | None, history: int,
-               wait: bool, store_dir: str | None, as_json: bool) -> None:
+               wait: str | None, store_dir: str | None, as_json: bool) -> None:
     """Save machine NAME whole (memory, processes, disk) as of now; it runs on."""
     started = time.monotonic()
     sbx = _sandbox(name, store_dir)
     if output or history != DEFAULT_HISTORY:
         _local_only("--output and --history")
-    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"), wait=wait,
+    point = sbx.checkpoint(name=point_name, labels=parse_pairs(labels, "--label"),
+                           wait={None: False, "uploaded": True, "local": "local"}[wait],
                            **({"history": history} if history != DEFAULT_HISTORY else {}))
     captured = round(time.monotonic() - started, 3)
     if output:
@@ -730,7 +738,8 @@ def checkpoint(name: str, point_name: str | None, labels: tuple[str, ...], outpu
         click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, "
                    f"captured in {captured} s, being stored")
     else:
-        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, stored in "
+        where = {None: "stored", True: "uploaded", False: "stored on this host (uploading)"}[point.uploaded]
+        click.echo(f"checkpoint {point.id[:12]} of {name}: guest paused {point.pause_ms:.1f} ms, {where} in "
                    f"{captured} s, {point.own_bytes / (1 << 20):.1f} MiB of new data")
 
 
@@ -801,7 +810,8 @@ def log_(source: str, store_dir: str | None, as_json: bool) -> None:
     if _remote() is not None and not _is_file(source):
         points = _sandbox(source, store_dir).history()
     else:
-        points = history_of(_point(_store(store_dir), source), _engine().home)
+        store = _store(store_dir)
+        points = history_of(_point(store, source), _engine().home, store)
     if as_json:
         emit_json([_checkpoint_json(c) for c in points])
     else:
@@ -881,13 +891,15 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
 def checkpoints(store_dir: str | None, as_json: bool) -> None:
     """Every checkpoint in the store, oldest first."""
     from rewind.results import Checkpoint
+    from rewind.sandbox import with_upload_state
 
     remote = _remote()
     if remote is None:
         from rewind.signers import signer_of
 
-        home = _engine().home
-        points = [Checkpoint.of(m, ref="", signer=signer_of(home, m)) for m in _store(store_dir).list()]
+        home, store = _engine().home, _store(store_dir)
+        signed = [Checkpoint.of(m, ref="", signer=signer_of(home, m)) for m in store.list()]
+        points = with_upload_state(signed, store)
     else:
         points = remote.checkpoints()
     if as_json:
@@ -942,7 +954,7 @@ def store_group() -> None:
 @store_option
 @json_option
 def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_json: bool) -> None:
-    """Make a checkpoint store (folders only, for --encrypt)."""
+    """Make a checkpoint store: a folder, or s3://bucket/prefix."""
     from rewind.store import DEFAULT_CHUNK_SIZE, Store
     from rewind.store.backends import is_remote
 
@@ -954,9 +966,9 @@ def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_
     store = Store.open(spec, create=True, chunk_size=size, encrypt=encrypt,
                        password=_ask_password("password of the new store", confirm=True))
     if as_json:
-        emit_json({"store": str(store.root), "encrypted": store.encrypted, "key": store.key_id})
+        emit_json({"store": store.where, "encrypted": store.encrypted, "key": store.key_id})
     else:
-        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {store.root}")
+        click.echo(f"made {'an encrypted' if store.encrypted else 'a'} checkpoint store at {store.where}")
 
 
 def _parse_bytes(text: str) -> int:
@@ -1028,7 +1040,7 @@ def _keyed_store(store_dir: str | None) -> Store:
     _local_only("store key")
     store = _store(store_dir)
     if not store.encrypted:
-        raise InvalidArgument(f"the checkpoint store at {store.root} is not encrypted: it has no keys")
+        raise InvalidArgument(f"the checkpoint store at {store.where} is not encrypted: it has no keys")
     return store
 
 
@@ -1068,8 +1080,16 @@ def store_push(store_dir: str | None, as_json: bool) -> None:
     else:
         for problem in report.problems:
             click.echo(f"problem: {problem}")
-        click.echo(f"uploaded {len(report.points)} checkpoint(s) to {store.url}: {report.chunks} chunk(s), "
-                   f"{report.bytes / (1 << 20):.1f} MiB in {report.seconds:.2f} s; "
+        last = store.last_upload()
+        if not report.points and not report.problems and last is not None:
+            # Uploaded already, most often by the detached uploader right after its commit.
+            ago = time.time() - float(last.get("at", 0))
+            click.echo(f"nothing left to upload to {store.url}: the last checkpoint uploaded, "
+                       f"{str(last.get('id'))[:12]}, was sent {ago:.0f} s ago")
+            return
+        meanwhile = f" ({report.meanwhile} by the upload already running)" if report.meanwhile else ""
+        click.echo(f"uploaded {len(report.points)} checkpoint(s){meanwhile} to {store.url}: {report.chunks} "
+                   f"chunk(s), {report.bytes / (1 << 20):.1f} MiB in {report.seconds:.2f} s; "
                    f"{len(store.queued())} still queued")
     if report.problems:
         sys.exit(1)
@@ -1448,7 +1468,7 @@ def _daemon_status(as_json: bool) -> dict[str, Any]:
 
 def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
     """Which store is in use, and whether it answers (doctor)."""
-    from rewind.store import Store, StoreError
+    from rewind.store import Store, StoreError, WrongPassword
     from rewind.store.backends import is_remote
     from rewind.store.cache import CachedStore
 
@@ -1460,6 +1480,8 @@ def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
                 + ("" if made else ", not made yet")}
     try:
         store = Store.open(spec, create=True, home=engine.home.root)
+    except WrongPassword as e:
+        return {"store": spec, "store_status": f"encrypted, not opened: {e}"}
     except StoreError as e:
         return {"store": spec, "store_status": f"does not answer: {e}"}
     assert isinstance(store, CachedStore)
@@ -1468,8 +1490,11 @@ def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
         return {"store": spec, "store_status": dataclasses.asdict(status)}
     said = "answers" if status.answers else "does not answer"
     conditional = {True: "yes", False: "no (names are claimed by look-then-write)", None: "unknown"}
-    return {"store": spec, "store_status": f"{said}: {status.detail}; {status.queued} checkpoint(s) queued "
-            f"for upload; conditional writes: {conditional[status.conditional_writes]}",
+    queued = f": {', '.join(i[:12] for i in status.queued_ids)}" if status.queued_ids else ""
+    said += ", encrypted" if status.encrypted else ""
+    return {"store": spec, "store_status": f"{said}: {status.detail}; "
+            f"conditional writes: {conditional[status.conditional_writes]}",
+            "store_uploads": f"{status.queued} checkpoint(s) stored on this host, not uploaded yet{queued}",
             "store_cache": status.cache}
 
 

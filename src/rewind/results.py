@@ -286,6 +286,9 @@ class Checkpoint:
     # "<fingerprint>, not trusted", "unsigned", "bad signature ..."; signers.describe); None:
     # not looked at (a point just taken is this home's).
     signer: str | None = None
+    # In a store in a bucket: whether it is there yet (False: stored on this host, uploading).
+    # None: a store on this host, or not known yet (still being stored).
+    uploaded: bool | None = None
 
     @classmethod
     def of(cls, entry: HistoryEntry | Point, ref: str = "~0", signer: str | None = None) -> Checkpoint:

@@ -14,7 +14,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import exec_deadline
@@ -66,13 +66,25 @@ def check_context(context: object) -> None:
                               "keep larger state in a file in the machine, which the checkpoint keeps")
 
 
-def history_of(manifest: CheckpointManifest, home: Home) -> list[Checkpoint]:
+def history_of(manifest: CheckpointManifest, home: Home, store: Store | None = None) -> list[Checkpoint]:
     """A checkpoint and the points before it, newest first, named ~0, ~1, ...; each with the
-    signer of `manifest`, which vouches for the history it keeps."""
+    signer of `manifest`, which vouches for the history it keeps; with `store`, each says
+    whether it is uploaded, if the store is in a bucket."""
     from rewind.signers import signer_of
 
     signer = signer_of(home, manifest)
-    return [Checkpoint.of(e, f"~{i}", signer) for i, e in enumerate([manifest.entry(), *manifest.history])]
+    points = [Checkpoint.of(e, f"~{i}", signer) for i, e in enumerate([manifest.entry(), *manifest.history])]
+    return with_upload_state(points, store)
+
+
+def with_upload_state(points: list[Checkpoint], store: Store | None) -> list[Checkpoint]:
+    """`points`, each saying whether it is in the bucket yet, if `store` is in one."""
+    from rewind.store.cache import CachedStore
+
+    if not isinstance(store, CachedStore):
+        return points
+    queued = set(store.queued())
+    return [dataclasses.replace(c, uploaded=c.id not in queued) for c in points]
 
 
 def open_store(home: Home, store: str | os.PathLike[str] | None, password: PasswordSource = None) -> Store:
@@ -274,27 +286,36 @@ class Sandbox:
     # ---- checkpoints ----
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = DEFAULT_HISTORY, wait: bool = False,
+                   history: int = DEFAULT_HISTORY, wait: bool | Literal["local"] = False,
                    context: str | None = None) -> Checkpoint:
         """Save the whole machine (memory, processes, disk) as of now; it runs on. The new point
         records as its parent the point this machine was last saved to or restored from.
 
         It returns once the moment is captured (the guest runs again); memory is written and
         stored in the background, and anything that reads checkpoints waits for that. With
-        `wait`, it returns once the point is in the store (own_bytes then known).
+        `wait`, it returns once the point is in the store (own_bytes then known): for a store
+        in a bucket, once it is uploaded there (any host can then use it). With
+        wait="local", once it is stored on this host; the upload goes on in the background
+        (the point's `uploaded` says whether it is done).
 
         `context` is the caller's own state at this point (the conversation so far, a plan):
         text of up to 64 KiB, kept with the point, exported with it, and given back by
         history() and restore()."""
         from rewind.engine.points import Point
+        from rewind.store.cache import CachedStore
 
         check_context(context)
+        if wait not in (False, True, "local"):
+            raise InvalidArgument(f"wait must be true, false or 'local' (got {str(wait)[:40]!r})")
         store = self._store
         point = self._machine.checkpoint(store, name=name, labels=labels, history=history, context=context)
         pause_ms = point.meta["pause_s"] * 1000
         if wait:
             self._machine.settle()
-            return dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)
+            done = dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)
+            if wait is True and isinstance(store, CachedStore):
+                store.wait_uploaded(point.id)
+            return with_upload_state([done], store)[0]
         return dataclasses.replace(Checkpoint.of(Point.of_pending(point)), own_bytes=None, pause_ms=pause_ms)
 
     def history(self) -> list[Checkpoint]:
@@ -305,7 +326,7 @@ class Sandbox:
         engine.settle()
         self._machine.reload()
         parent = pending.surviving(engine.home, self._machine.record.parent)
-        return history_of(self._store.get(parent), engine.home) if parent else []
+        return history_of(self._store.get(parent), engine.home, self._store) if parent else []
 
     def restore(self, ref: str | Checkpoint, *, allow_unsigned: bool | None = None) -> Checkpoint:
         """Put this machine back to a point (a Checkpoint, `~N`, an id prefix or a name):

@@ -5,6 +5,8 @@ Figures: a checkpoint until it is in the bucket (against until it is in a local 
 new machine in the second home from a point taken in the first (through the bucket, against
 from a store folder both homes share), and the bytes each point sends to the bucket,
 including the second home's point of its copy (what dedup across homes leaves to send).
+The same two timings with encrypted stores (docs/format.md §2.11), a folder and a bucket,
+doing the same work: what encryption costs.
 
 `python -m rewind.bench.s3 [ROUNDS]` prints them; docs/scale-out.md has a run's.
 """
@@ -20,13 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import Progress, close_home, timed
+from rewind.bench.ours import Progress, close_home, timed, timed_result
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.signers import signing_key, trust
@@ -34,6 +36,7 @@ from rewind.store import Store
 from rewind.store.cache import CachedStore
 
 KEY, SECRET = "rewind-bench", "rewind-bench-secret"
+PASSWORD = "rewind-bench-password"  # of the encrypted stores
 
 
 @dataclass
@@ -120,14 +123,6 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _wait(condition: Callable[[], bool], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the upload did not finish")
-        time.sleep(0.02)
-
-
 def uploads(store: CachedStore) -> dict[str, dict]:
     """The uploads this cache recorded, by point id."""
     try:
@@ -140,47 +135,60 @@ def uploads(store: CachedStore) -> dict[str, dict]:
 def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progress) -> None:
     """Add the bucket's figures to `report` (see the module doc)."""
     server = RcloneS3.make(tmp / "s3")
-    a, b, c = (Home(root=tmp / name, images=images) for name in ("a", "b", "c"))
-    for other in (b, c):  # they run a's points, which a signs
+    # a takes the points; b, c, d, e each make machines from them: through the bucket, from the
+    # shared folder, from the encrypted folder, through the encrypted bucket.
+    a, b, c, d, e = (Home(root=tmp / name, images=images) for name in ("a", "b", "c", "d", "e"))
+    url, secret_url = f"s3://{server.bucket}/bench", f"s3://{server.bucket}/secret"
+    secret_folder = tmp / "secret"
+    for other in (b, c, d, e):  # they run a's points, which a signs
         trust(other, signing_key(a).public, name="a")
-    url = f"s3://{server.bucket}/bench"
     local = a.store
     until_stored, until_uploaded, through_s3, through_folder, sent, sent_copy = [], [], [], [], [], []
+    secret_stored, secret_uploaded, secret_through_s3, secret_through_folder = [], [], [], []
     try:
-        with _env({**server.env, "REWIND_STORE": url}):
+        # The password in the environment: the committers of the encrypted stores need it.
+        with _env({**server.env, "REWIND_STORE": url, "REWIND_PASSWORD": PASSWORD}):
             bucket = Store.open(url, create=True, home=a.root)
             assert isinstance(bucket, CachedStore)
+            Store.open(secret_url, create=True, encrypt=True, home=a.root)
+            Store.open(secret_folder, create=True, encrypt=True)
             # One machine per store, doing the same work: a point's memory is compared with its
             # parent's, which must be in the same store.
             to_folder = Sandbox.create(home=a, store=str(local))
             to_bucket = Sandbox.create(home=a)
+            to_secret_folder = Sandbox.create(home=a, store=str(secret_folder))
+            to_secret_bucket = Sandbox.create(home=a, store=secret_url)
+            machines = (to_folder, to_bucket, to_secret_folder, to_secret_bucket)
             for i in range(rounds):
                 progress(f"s3 round {i + 1}/{rounds}")
-                for sbx in (to_folder, to_bucket):
+                for sbx in machines:
                     sbx.exec(f"head -c 8M /dev/urandom > /root/data-{i} && sync", check=True)
                 until_stored.append(timed(lambda: to_folder.checkpoint(wait=True)))
-                started = time.perf_counter()
-                point = to_bucket.checkpoint(name=f"bench-{i}")
-                _wait(lambda p=point: p.id in uploads(bucket))
-                until_uploaded.append(time.perf_counter() - started)
+                secret_stored.append(timed(lambda: to_secret_folder.checkpoint(wait=True)))
+                # wait=True with a bucket: until the point is uploaded.
+                seconds, point = timed_result(lambda i=i: to_bucket.checkpoint(name=f"bench-{i}", wait=True))
+                until_uploaded.append(seconds)
                 sent.append(uploads(bucket)[point.id]["bytes"] / (1 << 20))
+                secret_uploaded.append(timed(lambda i=i: to_secret_bucket.checkpoint(name=f"secret-{i}",
+                                                                                     wait=True)))
                 # A second home, its caches empty but for earlier rounds': through the bucket ...
                 through_s3.append(_create_until_exec(b, f"bench-{i}", None))
+                secret_through_s3.append(_create_until_exec(e, f"secret-{i}", secret_url))
                 # ... and from a store folder both homes share, for comparison.
-                folder_point = to_folder.history()[0].id
-                through_folder.append(_create_until_exec(c, folder_point, str(local)))
-            to_folder.delete()
-            to_bucket.delete()
+                through_folder.append(_create_until_exec(c, to_folder.history()[0].id, str(local)))
+                secret_through_folder.append(_create_until_exec(d, to_secret_folder.history()[0].id,
+                                                                str(secret_folder)))
+            for sbx in machines:
+                sbx.delete()
             copy = Sandbox.create(from_checkpoint=f"bench-{rounds - 1}", home=b)
             copy.exec("echo changed-in-home-b > /root/mark", check=True)
-            theirs = copy.checkpoint()
+            theirs = copy.checkpoint(wait=True)
             other = Store.open(url, home=b.root)
             assert isinstance(other, CachedStore)
-            _wait(lambda: theirs.id in uploads(other))
             sent_copy.append(uploads(other)[theirs.id]["bytes"] / (1 << 20))
             copy.delete()
     finally:
-        for home in (a, b, c):
+        for home in (a, b, c, d, e):
             close_home(home)  # before the server stops: nothing is left to upload by then
         server.stop()
     report.add("s3_checkpoint_until_stored_local_s", "checkpoint until stored, local store folder", "s",
@@ -197,6 +205,15 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
                sent[1:])
     report.add("s3_uploaded_mib_copy_point", "MiB uploaded by the second home's point of its copy", "MiB",
                sent_copy)
+    report.add("encrypted_checkpoint_until_stored_local_s", "checkpoint until stored, encrypted store folder",
+               "s", secret_stored)
+    report.add("encrypted_checkpoint_until_uploaded_s", "checkpoint until uploaded, encrypted store in S3 "
+               "on loopback", "s", secret_uploaded)
+    report.add("encrypted_create_from_other_home_s", "create-from in a second home until first exec, "
+               "through an encrypted store in S3 (first round: caches empty)", "s", secret_through_s3)
+    report.add("encrypted_create_from_shared_folder_s", "create-from in a second home until first exec, "
+               "from an encrypted store folder both share (first round: caches empty)", "s",
+               secret_through_folder)
 
 
 def _create_until_exec(home: Home, ref: str, store: str | None) -> float:

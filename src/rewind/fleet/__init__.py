@@ -68,14 +68,9 @@ class NodeAgent:
         return self._sbx(name).exec(cmd, **options)
 
     def checkpoint(self, name: str, point: str | None, uploaded: bool) -> Checkpoint:
-        """With `uploaded`, return once the point is in the shared store, for other nodes."""
-        taken = self._sbx(name).checkpoint(name=point, wait=uploaded)
-        if uploaded:
-            from rewind.store.cache import CachedStore
-            store = self._sbx(name)._store
-            if isinstance(store, CachedStore):
-                store.push()
-        return taken
+        """With `uploaded`, return once the point is in the shared store, for other nodes
+        (wait=True waits for a bucket's upload)."""
+        return self._sbx(name).checkpoint(name=point, wait=uploaded)
 
     def restore(self, name: str, ref: str) -> Checkpoint:
         return self._sbx(name).restore(ref)

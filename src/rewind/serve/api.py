@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -122,7 +122,9 @@ class TryBody(BaseModel):
 class CheckpointBody(BaseModel):
     name: str | None = None
     labels: dict[str, str] | None = None
-    wait: bool = Field(False, description="Answer once the point is in the store, not once captured")
+    wait: bool | Literal["local"] = Field(
+        False, description="Answer once the point is in the store, not once captured (a store in a bucket: "
+                           "once uploaded there; \"local\": once stored on this host, uploading)")
     context: str | None = Field(None, description="Your own state at this point (up to 64 KiB of text); "
                                                   "history and restore give it back")
 

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import httpx2
 
@@ -265,7 +265,7 @@ class RemoteSandbox:
         return Diff.from_json(self._call("GET", "/diff", params=params))
 
     def checkpoint(self, name: str | None = None, labels: dict[str, str] | None = None,
-                   wait: bool = False, context: str | None = None,
+                   wait: bool | Literal["local"] = False, context: str | None = None,
                    idempotency_key: str | None = None) -> Checkpoint:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         body = {"name": name, "labels": labels, "wait": wait, "context": context}

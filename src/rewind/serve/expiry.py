@@ -51,7 +51,9 @@ def _act(sbx: Sandbox, action: str) -> Expired:
     if action == "delete":
         sbx.delete()
         return Expired(sbx.name, action)
-    point = sbx.checkpoint(labels={"auto": "expiry"}, wait=True) if action == "checkpoint" else None
+    # Stored here is enough to stop it: a bucket's upload goes on, and one the bucket refuses
+    # now stays queued here rather than keep the machine running.
+    point = sbx.checkpoint(labels={"auto": "expiry"}, wait="local") if action == "checkpoint" else None
     sbx.stop()
     log.info("machine %s: its time to live ended: %s", sbx.name, action)
     return Expired(sbx.name, action, point.id if point else None)

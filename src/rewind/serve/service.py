@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rewind.engine import DEFAULT_MEMORY_MIB
 from rewind.engine.machine import Engine, check_ttl
@@ -289,7 +289,7 @@ class Service:
 
     @measured("checkpoint")
     def checkpoint(self, name: str, point_name: str | None = None, labels: dict[str, str] | None = None,
-                   wait: bool = False, context: str | None = None) -> dict[str, Any]:
+                   wait: bool | Literal["local"] = False, context: str | None = None) -> dict[str, Any]:
         point = self.sandbox(name).checkpoint(point_name, labels, wait=wait, context=context)
         return wire.checkpoint_json(point)
 

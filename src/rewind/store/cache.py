@@ -15,6 +15,9 @@
 - **Reading.** A reference not found here is looked up in the bucket: its manifests are
   copied here (they never change). A blob is materialised after the chunks this host lacks
   are fetched, in parallel, each checked against its hash.
+- **Encryption.** An encrypted bucket (docs/format.md §2.11) keeps its key files in `keys/`;
+  the cache is an encrypted store folder holding copies of them. Chunks and manifests are
+  sealed here and sent as they are; name claims are sealed under keyed names.
 - **Budget.** After an upload, past $REWIND_STORE_CACHE_MIB, files of chunks (a loose one,
   or a pack whole) holding none that a queued point needs are removed here, oldest first;
   their chunks come back from the bucket when needed.
@@ -22,6 +25,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -33,11 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from rewind.errors import InvalidArgument
 from rewind.home import Home
 from rewind.store.backends import ObjectStore, open_objects, parse_s3
-from rewind.store.disk import decode_chunk
 from rewind.store.durable import (
     append_line,
     fsync_dir,
@@ -52,12 +56,25 @@ from rewind.store.errors import (
     StoreBusy,
     StoreError,
     UnknownCheckpoint,
+    WrongPassword,
 )
 from rewind.store.locks import held_file, store_lock
 from rewind.store.model import FORMAT, BlobIndex, CheckpointManifest
 from rewind.store.packs import read_index
-from rewind.store.remote import CONFIG, chunk_key, lock_notes, manifest_key, name_key, remote_lock
-from rewind.store.store import CheckReport, GcReport, Store
+from rewind.store.remote import (
+    CONFIG,
+    ENCRYPTED_FORMAT,
+    chunk_key,
+    key_key,
+    lock_notes,
+    manifest_key,
+    name_key,
+    remote_lock,
+)
+from rewind.store.store import CheckReport, GcReport, Store, _create, default_lock_timeout
+
+if TYPE_CHECKING:
+    from rewind.store.crypto import Keys, KeySlot, PasswordSource
 
 REMOTE_FILE = "remote.json"
 CACHE_ENV = "REWIND_STORE_CACHE_MIB"
@@ -68,6 +85,9 @@ UPLOAD_ENV = "REWIND_STORE_UPLOAD"
 CONNECTIONS = 16  # requests in flight: network-bound, not CPU-bound
 _RETRY_AFTER = 10.0  # after the bucket did not answer, lookups use what is here for this long
 _ORPHAN_AGE = 600.0  # a queued id with no manifest this old was never committed
+_REFETCH_AFTER = 1.0  # a fetched chunk that fails its check is asked for again after this long
+# How long push() waits for an upload already running (the detached one sends a whole point).
+UPLOAD_WAIT = 600.0
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,6 +102,10 @@ class PushReport:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)  # points left queued, and why
+    # Of `points`, how many an upload already running (the detached one) sent while this one
+    # waited for it; its chunks and bytes are counted above too.
+    meanwhile: int = 0
+    version: int = 2
 
 
 @dataclass
@@ -94,6 +118,9 @@ class RemoteStatus:
     detail: str  # how many checkpoints it holds, or why it did not answer
     queued: int  # points committed here and not yet uploaded
     conditional_writes: bool | None  # None: not known (it did not answer)
+    queued_ids: list[str] = field(default_factory=list)  # those points, oldest first
+    encrypted: bool = False
+    version: int = 2
 
 
 def cache_root(url: str, home: os.PathLike[str] | None = None) -> Path:
@@ -104,37 +131,132 @@ def cache_root(url: str, home: os.PathLike[str] | None = None) -> Path:
 
 
 def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | None,
-                home: os.PathLike[str] | None = None) -> CachedStore:
+                home: os.PathLike[str] | None = None, encrypt: bool = False,
+                password: PasswordSource = None) -> CachedStore:
     """The store `url` names, through the cache of it in `home` (made on first use: only then
-    is the bucket asked for the store's config, and the store made there if `create`)."""
+    is the bucket asked for the store's config, and the store made there if `create`,
+    encrypted if `encrypt`). An encrypted store's password opens one of the bucket's key files
+    before anything is written here."""
     root = cache_root(url, home)
     if not (root / REMOTE_FILE).exists():
+        from rewind.store import crypto
+
         objects = open_objects(url)
-        try:
-            config = json.loads(objects.get(CONFIG))
-        except KeyError as e:
-            if not create:
-                raise StoreError(f"there is no checkpoint store at {url}") from e
-            objects.put_new(CONFIG, json.dumps({"format": FORMAT, "chunk_size": chunk_size}).encode())
-            config = json.loads(objects.get(CONFIG))  # another host may have made it first
-        except ValueError as e:
-            raise StoreError(f"the checkpoint store at {url} is damaged: config.json is unreadable") from e
-        if not isinstance(config, dict) or config.get("format") != FORMAT:
-            raise StoreError(f"the checkpoint store at {url} has format {config.get('format')!r}, "
-                             f"which this rewind does not know (it knows {FORMAT})")
+        config = _bucket_config(objects, url, create, chunk_size, encrypt, password)
+        remote: dict[str, object] = {"url": url, "version": 1}
+        key_files, made = None, None
+        if config["format"] == ENCRYPTED_FORMAT:
+            key_files = _bucket_key_files(objects)
+            check = _unb64(config.get("check"), url)
+            made = crypto.unlock_slots(_slots(key_files, url), crypto.password(password, url), url, check)
+            remote["check"] = config["check"]
         with os_errors(f"make a cache of {url} at {root}"):
-            Store.open(root, create=True, chunk_size=config["chunk_size"])
-            replace_durably(root / REMOTE_FILE, json.dumps({"url": url, "version": 1}).encode())
-    store = Store.open(root, lock_timeout=lock_timeout)
+            if not (root / "config.json").exists():
+                _create(root, config["chunk_size"], False, key_files)
+            replace_durably(root / REMOTE_FILE, json.dumps(remote).encode())
+        if made is not None:  # opened already: scrypt once, not twice
+            return CachedStore.of_folder(root, config["chunk_size"],
+                                         default_lock_timeout() if lock_timeout is None else lock_timeout,
+                                         encrypted=True, keys=made)
+    store = Store.open(root, lock_timeout=lock_timeout, password=password)
     assert isinstance(store, CachedStore)
+    if encrypt and not store.encrypted:
+        raise InvalidArgument(f"there is a checkpoint store at {url} already, and it is not encrypted")
     return store
+
+
+def _bucket_config(objects: ObjectStore, url: str, create: bool, chunk_size: int, encrypt: bool,
+                   password: PasswordSource) -> dict:
+    """The bucket's config.json, made first if `create`. An encrypted store's first key file
+    is written before its config, which marks the store made and records a check value of its
+    keys: a key file left by a making that died, or that lost a race, opens nothing."""
+    try:
+        config = json.loads(objects.get(CONFIG))
+    except KeyError as e:
+        if not create:
+            raise StoreError(f"there is no checkpoint store at {url}") from e
+        mine: dict[str, object] = {"format": FORMAT, "chunk_size": chunk_size}
+        slot = None
+        if encrypt:
+            from rewind.store import crypto
+
+            keys = crypto.Keys.new()
+            slot = crypto.new_slot(keys, crypto.password(password, url))  # asked before any write
+            objects.put(key_key(slot.id), json.dumps(slot.to_json()).encode())
+            mine = {"format": ENCRYPTED_FORMAT, "chunk_size": chunk_size, "encryption": "aes-256-gcm",
+                    "check": base64.b64encode(keys.check_value()).decode()}
+        objects.put_new(CONFIG, json.dumps(mine).encode())
+        config = json.loads(objects.get(CONFIG))  # another host may have made it first
+        if slot is not None:
+            # A losing making's key file opens keys that sealed nothing: ours if another host won,
+            # else those of makings that died or lost. None may stay, or it could be taken for a
+            # second key and the real one removed as not the last.
+            ours = key_key(slot.id)
+            if config == mine:
+                objects.delete([info.key for info in objects.list("keys/") if info.key != ours])
+            else:
+                objects.delete([ours])
+    except ValueError as e:
+        raise StoreError(f"the checkpoint store at {url} is damaged: config.json is unreadable") from e
+    if not isinstance(config, dict) or config.get("format") not in (FORMAT, ENCRYPTED_FORMAT):
+        raise StoreError(f"the checkpoint store at {url} has format {config.get('format')!r}, "
+                         f"which this rewind does not know (it knows {FORMAT} and {ENCRYPTED_FORMAT})")
+    if encrypt and config["format"] != ENCRYPTED_FORMAT:
+        raise InvalidArgument(f"there is a checkpoint store at {url} already, and it is not encrypted")
+    return config
+
+
+def _bucket_key_files(objects: ObjectStore) -> dict[str, bytes]:
+    """The bucket's key files, by id."""
+    files = {}
+    for info in objects.list("keys/"):
+        with suppress(KeyError):  # removed meanwhile
+            files[info.key[len("keys/"):]] = objects.get(info.key)
+    return files
+
+
+def _slots(files: dict[str, bytes], where: str) -> list[KeySlot]:
+    """Key files parsed, oldest first; a damaged one is a StoreError."""
+    from rewind.store import crypto
+
+    slots = []
+    for key_id, data in files.items():
+        try:
+            slots.append(crypto.KeySlot.from_json(key_id, json.loads(data)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"key file {key_id} of {where} is damaged: {e}") from e
+    return sorted(slots, key=lambda s: (s.created, s.id))
+
+
+def _unb64(text: object, url: str) -> bytes:
+    """The key check of a bucket's config (or a cache's remote.json)."""
+    try:
+        if isinstance(text, str):
+            return base64.b64decode(text, validate=True)
+    except ValueError:
+        pass
+    raise StoreError(f"the checkpoint store at {url} is damaged: its key check is unreadable")
+
+
+def _mirror_keys(objects: ObjectStore, folder: Path) -> dict[str, bytes]:
+    """Make `folder` hold the bucket's key files, no more, no fewer; them, by id."""
+    files = _bucket_key_files(objects)
+    with os_errors(f"copy the key files to {folder}"):
+        here = {p.name for p in folder.iterdir() if not p.name.endswith(".tmp")}
+        for key_id in files.keys() - here:
+            os.rename(write_tmp(folder, files[key_id]), folder / key_id)
+        for key_id in here - files.keys():
+            (folder / key_id).unlink()
+        fsync_dir(folder)
+    return files
 
 
 class CachedStore(Store):
     """A store in a bucket, used through a store folder on this host (see the module doc)."""
 
-    def __init__(self, root: Path, chunk_size: int, lock_timeout: float, url: str) -> None:
-        super().__init__(root, chunk_size, lock_timeout)
+    def __init__(self, root: Path, chunk_size: int, lock_timeout: float, url: str,
+                 keys: Keys | None = None, key_id: str | None = None) -> None:
+        super().__init__(root, chunk_size, lock_timeout, keys, key_id)
         self.url = url
         self._objects: ObjectStore | None = None
         self._outbox = root / "outbox"
@@ -142,16 +264,39 @@ class CachedStore(Store):
         self._down_until = -1e9
 
     @classmethod
-    def of_folder(cls, root: Path, chunk_size: int, lock_timeout: float) -> CachedStore:
+    def of_folder(cls, root: Path, chunk_size: int, lock_timeout: float, encrypted: bool = False,
+                  password: PasswordSource = None, keys: tuple[Keys, str] | None = None) -> CachedStore:
+        """The cache at `root`; an encrypted one opened with `password` (or given its `keys`)."""
         try:
-            url = json.loads((root / REMOTE_FILE).read_bytes())["url"]
+            remote = json.loads((root / REMOTE_FILE).read_bytes())
+            url = remote["url"]
             parse_s3(url)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StoreError(f"the store cache at {root} is damaged: {REMOTE_FILE} is unreadable") from e
-        return cls(root, chunk_size, lock_timeout, url)
+        if encrypted and keys is None:
+            from rewind.store import crypto
+
+            secret, check = crypto.password(password, url), _unb64(remote.get("check"), url)
+            try:
+                keys = crypto.unlock_slots(crypto.key_slots(root / "keys"), secret, url, check)
+            except WrongPassword:
+                # Its key file may be one added (or a password changed) in another home since.
+                try:
+                    files = _mirror_keys(open_objects(url), root / "keys")
+                except RemoteUnavailable:
+                    raise WrongPassword(f"wrong password for the checkpoint store at {url}, as far as "
+                                        "this host knows (the store does not answer)") from None
+                keys = crypto.unlock_slots(_slots(files, url), secret, url, check)
+        if keys is None:
+            return cls(root, chunk_size, lock_timeout, url)
+        return cls(root, chunk_size, lock_timeout, url, keys=keys[0], key_id=keys[1])
 
     def __repr__(self) -> str:
         return f"CachedStore({self.url!r}, cache={str(self.root)!r})"
+
+    @property
+    def where(self) -> str:
+        return self.url
 
     @property
     def objects(self) -> ObjectStore:
@@ -183,11 +328,14 @@ class CachedStore(Store):
                 self.push()
             return
         # setsid -f: it outlives this process and is nobody's zombie.
+        # An encrypted store's keys go to it through a pipe: not in its argv or environment, and
+        # it needs no password (that may have come from a terminal or an argument).
+        secret = b"" if self.keys is None else json.dumps(
+            {"keys": self.keys.to_json(), "key_id": self.key_id}).encode()
         with open(self.root / "upload.log", "ab") as log:
             argv = [sys.executable, "-c", "from rewind.store.cache import main; main()",
                     "push", str(self.root)]
-            subprocess.run(["setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                           check=False)
+            subprocess.run(["setsid", "-f", *argv], input=secret, stdout=log, stderr=log, check=False)
 
     def queued(self) -> list[str]:
         """Ids of the points committed here and not yet uploaded, oldest first."""
@@ -200,22 +348,60 @@ class CachedStore(Store):
     def _unqueue(self, checkpoint_id: str) -> None:
         (self._outbox / f"{checkpoint_id}.json").unlink(missing_ok=True)
 
-    def push(self, wait: float | None = None) -> PushReport:
+    def push(self, wait: float = UPLOAD_WAIT) -> PushReport:
         """Upload every queued point, oldest first. One upload runs at a time per cache: this
-        waits up to `wait` s (default: the lock timeout) for one already running."""
-        timeout = self.lock_timeout if wait is None else wait
-        with held_file(self.root / "outbox.lock", timeout) as mine:
+        waits up to `wait` s for one already running, and counts what that one sent meanwhile."""
+        started, log = time.monotonic(), self.root / "uploads.jsonl"
+        try:
+            seen = log.stat().st_size
+        except FileNotFoundError:
+            seen = 0
+        with held_file(self.root / "outbox.lock", wait) as mine:
             if not mine:
-                raise StoreBusy(f"another upload to {self.url} is running (waited {timeout:g} s)")
-            report = self._push()
+                raise StoreBusy(f"another upload to {self.url} is running (waited {wait:g} s)")
+            report = PushReport()
+            for line in _lines_from(log, seen):
+                report.points.append(str(line.get("id")))
+                report.chunks += int(line.get("chunks", 0))
+                report.bytes += int(line.get("bytes", 0))
+            report.meanwhile = len(report.points)
+            self._push(report)
+        report.seconds = time.monotonic() - started
         self.trim()
         return report
 
-    def _push(self) -> PushReport:
-        started, report = time.monotonic(), PushReport()
+    def wait_uploaded(self, checkpoint_id: str) -> PushReport:
+        """Return once the point `checkpoint_id` (committed here) is in the bucket: after an
+        upload already running, this uploads what is still queued. A StoreError says why the
+        point is still only on this host."""
+        try:
+            report = self.push()
+        except StoreError as e:
+            raise type(e)(f"checkpoint {checkpoint_id[:12]} is stored on this host but not "
+                          f"uploaded: {e}") from e
+        if checkpoint_id in self.queued():
+            why = "; ".join(report.problems) or "it is still queued"
+            raise StoreError(f"checkpoint {checkpoint_id[:12]} is stored on this host but not uploaded "
+                             f"to {self.url}: {why}")
+        return report
+
+    def last_upload(self) -> dict | None:
+        """The last line of uploads.jsonl (the last point uploaded from here), if any."""
+        try:
+            with open(self.root / "uploads.jsonl", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                tail = f.read().splitlines()
+        except FileNotFoundError:
+            return None
+        with suppress(ValueError, IndexError):
+            last = json.loads(tail[-1])
+            return last if isinstance(last, dict) else None
+        return None
+
+    def _push(self, report: PushReport) -> None:
         queued = self.queued()
         if not queued:
-            return report
+            return
         with remote_lock(self.objects, exclusive=False, operation="upload",
                          timeout=self.lock_timeout) as held:
             # An object of another size is a PUT cut short on a server that does not write
@@ -241,8 +427,6 @@ class CachedStore(Store):
                 report.points.append(checkpoint_id)
                 report.chunks += len(need)
                 report.bytes += sent
-        report.seconds = time.monotonic() - started
-        return report
 
     def _queued_manifest(self, checkpoint_id: str, report: PushReport) -> CheckpointManifest | None:
         """A queued point's manifest, or None (and why, in `report`) if it cannot be sent now."""
@@ -268,18 +452,39 @@ class CachedStore(Store):
         elsewhere a look, a write and a read back, which two hosts racing within one round
         trip can both pass."""
         assert manifest.name is not None
-        key, claim = name_key(manifest.name), json.dumps({"id": manifest.id}).encode()
+        key, claim = self._name_key(manifest.name), json.dumps({"id": manifest.id}).encode()
+        if self.keys is not None:
+            from rewind.store.crypto import NAME_CLAIM
+
+            claim = self.keys.seal(NAME_CLAIM, claim)
         self.objects.put_new(key, claim)
-        try:
-            holder = json.loads(self.objects.get(key)).get("id")
-        except (KeyError, ValueError, AttributeError):
-            holder = None
+        holder = self._claim_holder(key)
         if holder != manifest.id:
             report.problems.append(
                 f"checkpoint {manifest.id[:12]} stays on this host only: its name {manifest.name!r} "
                 f"is taken in {self.url} by checkpoint {str(holder)[:12]}")
             return False
         return True
+
+    def _name_key(self, name: str) -> str:
+        """The key of a name's claim: the name itself, or in an encrypted store its keyed hash."""
+        return name_key(name if self.keys is None else self.keys.name_key(name))
+
+    def _claim_holder(self, key: str) -> str | None:
+        """The id a name claim names; None if it is gone or unreadable."""
+        try:
+            data: bytes | None = self.objects.get(key)
+        except KeyError:
+            return None
+        if self.keys is not None:
+            from rewind.store.crypto import NAME_CLAIM
+
+            data = self.keys.unseal_or_none(NAME_CLAIM, data)
+        try:
+            holder = json.loads(data or b"").get("id")
+        except (ValueError, AttributeError):
+            return None
+        return holder if isinstance(holder, str) else None
 
     # -- reading: here, else from the bucket ---------------------------------------------
 
@@ -310,7 +515,7 @@ class CachedStore(Store):
         except KeyError:  # deleted meanwhile
             return None
         try:
-            if CheckpointManifest.from_json(json.loads(data)).id != checkpoint_id:
+            if self._parse_manifest(data).id != checkpoint_id:
                 return None
         except (ValueError, KeyError, TypeError, AttributeError):
             return None  # damaged: check() reports it from the bucket
@@ -352,11 +557,20 @@ class CachedStore(Store):
         return sum(size for _, _, size in staged)
 
     def _fetch_chunk(self, h: str) -> tuple[str, Path, int]:
-        try:
-            data = self.objects.get(chunk_key(h))
-        except KeyError as e:
-            raise CorruptChunk(f"chunk {h} is missing from this host and from {self.url}") from e
-        decode_chunk(h, data)
+        for attempt in range(2):
+            try:
+                data = self.objects.get(chunk_key(h))
+            except KeyError as e:
+                raise CorruptChunk(f"chunk {h} is missing from this host and from {self.url}") from e
+            try:
+                self.codec.decode(h, data)
+                break
+            except CorruptChunk:
+                # Asked once more: rclone 1.74's serve s3 once answered a chunk written 14 s
+                # before with an empty body (a run of tests/test_s3_store.py), whole on disk.
+                if attempt:
+                    raise
+                time.sleep(_REFETCH_AFTER)
         return h, write_tmp(self._tmp, data, sync=False), len(data)
 
     def materialize(self, blob: BlobIndex, dest: str | os.PathLike[str], durable: bool = False) -> None:
@@ -391,10 +605,8 @@ class CachedStore(Store):
         keys = [manifest_key(m.id) for m in manifests]
         for m in manifests:
             self._unqueue(m.id)
-            if m.name is not None:
-                with suppress(KeyError, ValueError, AttributeError):
-                    if json.loads(self.objects.get(name_key(m.name))).get("id") == m.id:
-                        keys.append(name_key(m.name))
+            if m.name is not None and self._claim_holder(self._name_key(m.name)) == m.id:
+                keys.append(self._name_key(m.name))
         self.objects.delete(keys)
 
     def gc(self) -> GcReport:
@@ -409,17 +621,16 @@ class CachedStore(Store):
                 raise StoreError("gc stopped, nothing removed: a manifest is unreadable; "
                                  "`rewind store check` says which")
             live = set().union(*(m.all_hashes() for m in manifests))
-            names = {m.name: m.id for m in manifests if m.name}
+            names = {self._name_key(m.name): m.id for m in manifests if m.name}
             dead, freed = [], 0
             for info in self.objects.list("chunks/"):
                 if info.key.rsplit("/", 1)[-1] not in live:
                     dead.append(info.key)
                     freed += info.size
             for info in self.objects.list("names/"):
-                with suppress(KeyError, ValueError, AttributeError):
-                    claim = json.loads(self.objects.get(info.key)).get("id")
-                    if names.get(info.key[len("names/"):]) != claim:
-                        dead.append(info.key)
+                claim = self._claim_holder(info.key)  # one unreadable is left for check to report
+                if claim is not None and names.get(info.key) != claim:
+                    dead.append(info.key)
             now = time.time()
             dead += [key for key, note in lock_notes(self.objects).items() if note.stale(now)]
             self.objects.delete(dead)
@@ -445,7 +656,7 @@ class CachedStore(Store):
 
             def verify(h: str) -> str | None:
                 try:
-                    decode_chunk(h, self.objects.get(chunk_key(h)))
+                    self.codec.decode(h, self.objects.get(chunk_key(h)))
                 except (CorruptChunk, KeyError) as e:
                     return f"chunk {h} in {self.url}: {e} (used by {users[h][0]})"
                 return None
@@ -496,6 +707,34 @@ class CachedStore(Store):
                 files.append((st.st_mtime, st.st_size, {h for h, _, _ in read_index(pack)}, str(pack)))
         return files
 
+    # -- keys: in the bucket, copied here ----------------------------------------------
+
+    def key_slots(self) -> list[KeySlot]:
+        """The bucket's key files (copied here as they are), oldest first."""
+        return _slots(_mirror_keys(self.objects, self._keys_folder()), self.url)
+
+    def add_key(self, password: str) -> str:
+        """A new key file in the bucket (then here) that opens this store with `password`."""
+        from rewind.store import crypto
+
+        folder = self._keys_folder()
+        assert self.keys is not None  # checked by _keys_folder
+        slot = crypto.new_slot(self.keys, password)
+        self.objects.put(key_key(slot.id), json.dumps(slot.to_json()).encode())
+        _mirror_keys(self.objects, folder)
+        return slot.id
+
+    def remove_key(self, key_id: str) -> None:
+        """Remove a key file from the bucket (then here); refuses the last one. Under the
+        bucket's exclusive lock: two removals at once must not each leave only the other's."""
+        from rewind.store import crypto
+
+        folder = self._keys_folder()
+        with remote_lock(self.objects, exclusive=True, operation="remove a key", timeout=self.lock_timeout):
+            crypto.check_removable(sorted(_bucket_key_files(self.objects)), key_id)
+            self.objects.delete([key_key(key_id)])
+            _mirror_keys(self.objects, folder)
+
     def status(self) -> RemoteStatus:
         try:
             count = sum(1 for _ in self.objects.list("checkpoints/"))
@@ -503,8 +742,10 @@ class CachedStore(Store):
             answers, detail = True, f"{count} checkpoints"
         except RemoteUnavailable as e:
             answers, detail, conditional = False, str(e), None
+        queued = self.queued()
         return RemoteStatus(url=self.url, cache=str(self.root), answers=answers, detail=detail,
-                            queued=len(self.queued()), conditional_writes=conditional)
+                            queued=len(queued), conditional_writes=conditional, queued_ids=queued,
+                            encrypted=self.encrypted)
 
 
 def _parallel(fn: Callable[[T], R], items: list[T]) -> list[R]:
@@ -518,19 +759,52 @@ def _parallel(fn: Callable[[T], R], items: list[T]) -> list[R]:
         pool.shutdown(cancel_futures=True)
 
 
+def _lines_from(path: Path, offset: int) -> list[dict]:
+    """The JSON lines of `path` from byte `offset` on (lines are appended whole: append_line)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = []
+    for line in data.splitlines():
+        with suppress(ValueError):
+            lines.append(json.loads(line))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`push ROOT`: the detached uploader of a cache."""
+    """`push ROOT`: the detached uploader of a cache; an encrypted one's keys come on stdin."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "push":
         sys.exit("usage: push CACHE_FOLDER")
-    store = Store.open(args[1])
+    given = sys.stdin.buffer.read()
+    try:
+        keys = None
+        if given:
+            from rewind.store import crypto
+
+            secret = json.loads(given)
+            keys = crypto.Keys.from_json(secret["keys"]), secret["key_id"]
+        store = Store.open(args[1]) if keys is None else _open_with(Path(args[1]), keys)
+    except (StoreError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"{time.strftime('%F %T')} cannot open the cache {args[1]}: {e}")
     if not isinstance(store, CachedStore):
         sys.exit(f"{args[1]} is not the cache of a remote store")
     try:
-        report = store.push(wait=600)
+        report = store.push()
     except StoreError as e:
         print(f"{time.strftime('%F %T')} upload to {store.url} stopped: {e}", flush=True)
         sys.exit(1)
     if report.points or report.problems:
         print(f"{time.strftime('%F %T')} {json.dumps(asdict(report))}", flush=True)
 
+
+def _open_with(root: Path, keys: tuple[Keys, str]) -> CachedStore:
+    """The encrypted cache at `root`, opened with its keys rather than a password."""
+    try:
+        chunk_size = json.loads((root / "config.json").read_bytes())["chunk_size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StoreError(f"the store cache at {root} is damaged: config.json is unreadable") from e
+    return CachedStore.of_folder(root, chunk_size, default_lock_timeout(), encrypted=True, keys=keys)

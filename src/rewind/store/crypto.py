@@ -47,6 +47,7 @@ MAX_SCRYPT_P = 16
 SALT_BYTES = 32
 # The associated data of each kind of object: an object of one kind never opens as another.
 KEY_FILE, CHUNK, MANIFEST, EXPORT = b"rewind key", b"rewind chunk", b"rewind manifest", b"rewind export"
+NAME_CLAIM = b"rewind name"  # a name claim in a bucket (docs/format.md §2.11)
 
 PasswordSource = str | Callable[[], str] | None
 """A password, or a function that asks for it (a terminal prompt), or None: the environment."""
@@ -77,8 +78,20 @@ class Keys:
             raise InvalidTag
         return self._aead.decrypt(sealed[:NONCE], sealed[NONCE:], kind)
 
+    def unseal_or_none(self, kind: bytes, sealed: bytes) -> bytes | None:
+        """The plaintext, or None if the object fails its tag."""
+        try:
+            return self.unseal(kind, sealed)
+        except InvalidTag:
+            return None
+
     def name_chunk(self, data: bytes | memoryview) -> str:
         return blake3.blake3(data, key=self.chunk_id).hexdigest()
+
+    def name_key(self, name: str) -> str:
+        """A checkpoint name as a bucket's name claim is keyed: keyed BLAKE3 of the name, set
+        apart from chunk names by a prefix no chunk name is hashed with."""
+        return blake3.blake3(NAME_CLAIM + b"\0" + name.encode(), key=self.chunk_id).hexdigest()
 
     def check_value(self) -> bytes:
         """16 bytes that tell these keys from others without revealing them (an export's header)."""
@@ -157,16 +170,21 @@ class KeySlot:
             return None
 
 
-def add_key(folder: Path, keys: Keys, password: str) -> str:
-    """A new key file in `folder` that opens `keys` with `password`, durable before this
-    returns (written in `folder`, fsync'ed, renamed, the folder fsync'ed); its id."""
+def new_slot(keys: Keys, password: str) -> KeySlot:
+    """A new key file (not written yet) that opens `keys` with `password`."""
     if not password:
         raise InvalidArgument("an empty password protects nothing")
     salt = secrets.token_bytes(SALT_BYTES)
     wrapper = Keys(encrypt=_derive(password, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P), chunk_id=b"")
-    slot = KeySlot(id=secrets.token_hex(8), created=time.time(), host=socket.gethostname(),
+    return KeySlot(id=secrets.token_hex(8), created=time.time(), host=socket.gethostname(),
                    n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, salt=salt,
                    data=wrapper.seal(KEY_FILE, json.dumps(keys.to_json()).encode()))
+
+
+def add_key(folder: Path, keys: Keys, password: str) -> str:
+    """A new key file in `folder` that opens `keys` with `password`, durable before this
+    returns (written in `folder`, fsync'ed, renamed, the folder fsync'ed); its id."""
+    slot = new_slot(keys, password)
     with os_errors(f"write a key file in {folder}"):
         os.rename(write_tmp(folder, json.dumps(slot.to_json()).encode()), folder / slot.id)
         fsync_dir(folder)
@@ -192,27 +210,38 @@ def key_slots(folder: Path) -> list[KeySlot]:
 def unlock(folder: Path, password: str, where: object) -> tuple[Keys, str]:
     """The keys of the store whose key files are in `folder`, and the slot that opened them;
     WrongPassword if none does."""
-    slots = key_slots(folder)
+    return unlock_slots(key_slots(folder), password, where)
+
+
+def unlock_slots(slots: list[KeySlot], password: str, where: object,
+                 check: bytes | None = None) -> tuple[Keys, str]:
+    """The keys one of `slots` opens with `password`, and that slot's id; WrongPassword if none
+    does. With `check` (a bucket's config), a slot that opens to other keys (left by a making
+    that died before its config) counts as not opening."""
     if not slots:
         raise StoreError(f"the checkpoint store at {where} is damaged: it is encrypted and has no key file")
     for slot in slots:
         try:
             keys = slot.unlock(password)
         except (ValueError, KeyError, TypeError, MemoryError) as e:
-            raise StoreError(f"key file {folder / slot.id} is damaged: {e}") from e
-        if keys is not None:
+            raise StoreError(f"key file {slot.id} of {where} is damaged: {e}") from e
+        if keys is not None and (check is None or keys.check_value() == check):
             return keys, slot.id
     raise WrongPassword(f"wrong password for the checkpoint store at {where}: none of its "
                         f"{len(slots)} key(s) opens with it")
 
 
-def remove_key(folder: Path, slot_id: str) -> None:
-    """Remove one key file; refuses the last one (the store could never be opened again)."""
-    ids = [s.id for s in key_slots(folder)]
+def check_removable(ids: list[str], slot_id: str) -> None:
+    """Refuse to remove a key the store lacks, or its last one (it could never be opened again)."""
     if slot_id not in ids:
         raise InvalidArgument(f"the store has no key {slot_id!r} (it has {', '.join(ids)})")
     if len(ids) == 1:
         raise InvalidArgument(f"key {slot_id} is the store's last: add another first")
+
+
+def remove_key(folder: Path, slot_id: str) -> None:
+    """Remove one key file; refuses the last one."""
+    check_removable([s.id for s in key_slots(folder)], slot_id)
     with os_errors(f"remove key file {slot_id}"):
         (folder / slot_id).unlink()
         fsync_dir(folder)

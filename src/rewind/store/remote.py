@@ -3,10 +3,12 @@
 Layout under the prefix, the same as a store folder's (docs/format.md §2) so that one
 reads like the other:
 
-    config.json                 {"format": 1, "chunk_size": 262144}
+    config.json                 {"format": 1, "chunk_size": 262144} (3, and more, if encrypted)
     chunks/ab/<hash>            a chunk, byte for byte as in a store folder
     checkpoints/<id>.json       a manifest, byte for byte as in a store folder
-    names/<name>                {"id": ...}: the claim on a checkpoint name
+    names/<name>                {"id": ...}: the claim on a checkpoint name (encrypted: sealed,
+                                under the name's keyed hash)
+    keys/<16 hex>               an encrypted store's key files, as in a store folder
     locks/<16 hex>.json         a lock object (below)
 
 Locks after restic's: a holder writes a lock object, then lists the others. A shared holder
@@ -36,6 +38,7 @@ from rewind.store.backends import ObjectStore
 from rewind.store.errors import RemoteUnavailable, StoreBusy
 
 CONFIG = "config.json"
+ENCRYPTED_FORMAT = 3  # a bucket's format 1 with every object sealed (docs/format.md §2.11)
 TTL = float(os.environ.get("REWIND_REMOTE_LOCK_TTL", "300"))
 REFRESH = TTL / 5
 
@@ -50,6 +53,10 @@ def manifest_key(checkpoint_id: str) -> str:
 
 def name_key(name: str) -> str:
     return f"names/{name}"
+
+
+def key_key(key_id: str) -> str:
+    return f"keys/{key_id}"
 
 
 @dataclass

@@ -124,6 +124,11 @@ class GcReport:
     packs_rewritten: int = 0
 
 
+def default_lock_timeout() -> float:
+    """How long store locks are waited for unless told: $REWIND_LOCK_TIMEOUT, else 30 s."""
+    return float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+
+
 def new_checkpoint_id() -> str:
     """An id for a checkpoint, for a caller that must name it before committing it."""
     return secrets.token_hex(16)
@@ -163,6 +168,11 @@ class Store:
     def encrypted(self) -> bool:
         return self.keys is not None
 
+    @property
+    def where(self) -> str:
+        """How messages name the store: its folder (a bucket's URL for a CachedStore)."""
+        return str(self.root)
+
     @classmethod
     def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
              lock_timeout: float | None = None, home: os.PathLike[str] | None = None,
@@ -177,13 +187,11 @@ class Store:
 
         `path` may also be `s3://bucket/prefix`: a store in a bucket, used through a store
         folder on this host as its cache (a CachedStore, cache.py), kept under `home`
-        (default: $REWIND_HOME). Such a store cannot be encrypted yet."""
+        (default: $REWIND_HOME); encrypted, its key files are in the bucket."""
         if is_remote(path):
             from rewind.store.cache import open_remote
 
-            if encrypt:
-                raise InvalidArgument("a store in a bucket cannot be encrypted yet: use a folder")
-            return open_remote(str(path), create, chunk_size, lock_timeout, home)
+            return open_remote(str(path), create, chunk_size, lock_timeout, home, encrypt, password)
         # Absolute: the store's path is recorded in journals that committers read from elsewhere.
         root = Path(path).absolute()
         made: tuple[Keys, str] | None = None
@@ -214,13 +222,12 @@ class Store:
         if version == 1:
             _upgrade(root, chunk_size)
         if lock_timeout is None:
-            lock_timeout = float(os.environ.get("REWIND_LOCK_TIMEOUT", "30"))
+            lock_timeout = default_lock_timeout()
         if (root / "remote.json").exists():  # the cache of a store in a bucket
             from rewind.store.cache import CachedStore
 
-            if version == ENCRYPTED_FORMAT:
-                raise StoreError(f"the cache at {root} is damaged: it says it is encrypted")
-            return CachedStore.of_folder(root, chunk_size, lock_timeout)
+            return CachedStore.of_folder(root, chunk_size, lock_timeout,
+                                         encrypted=version == ENCRYPTED_FORMAT, password=password)
         if version != ENCRYPTED_FORMAT:
             return cls(root, chunk_size, lock_timeout)
         if made is None:
@@ -274,7 +281,7 @@ class Store:
 
     def _keys_folder(self) -> Path:
         if self.keys is None:
-            raise InvalidArgument(f"the checkpoint store at {self.root} is not encrypted: it has no keys")
+            raise InvalidArgument(f"the checkpoint store at {self.where} is not encrypted: it has no keys")
         return self.root / "keys"
 
     @contextmanager
@@ -881,9 +888,12 @@ def _fitting(blobs: dict[str, BlobIndex], history: list[model.HistoryEntry]) -> 
     return kept
 
 
-def _create(root: Path, chunk_size: int, encrypt: PasswordSource | bool) -> tuple[Keys, str] | None:
+def _create(root: Path, chunk_size: int, encrypt: PasswordSource | bool,
+            key_files: dict[str, bytes] | None = None) -> tuple[Keys, str] | None:
     """Make a store at `root`; `encrypt` False for a plain one, else where its first key's
-    password comes from (crypto.password). An encrypted one's keys and first key file."""
+    password comes from (crypto.password). An encrypted one's keys and first key file.
+    With `key_files` (a bucket's, by id), an encrypted one that holds copies of them instead
+    (the cache of an encrypted bucket: cache.py)."""
     if not _valid_chunk_size(chunk_size):
         raise InvalidArgument(f"invalid chunk size {chunk_size!r}: "
                               f"use a multiple of 4096 up to {MAX_CHUNK_SIZE}")
@@ -901,14 +911,19 @@ def _create(root: Path, chunk_size: int, encrypt: PasswordSource | bool) -> tupl
         for i in range(256):  # made once here, so that adding a chunk never needs a mkdir
             (root / "chunks" / f"{i:02x}").mkdir(exist_ok=True)
         config = {"format": STORE_FORMAT, "chunk_size": chunk_size}
-        if encrypt is not False:
+        if encrypt is not False or key_files is not None:
             (root / "keys").mkdir(mode=0o700, exist_ok=True)
             for left in (root / "keys").iterdir():
                 # Keys of a making that died before config.json: nothing was sealed with them, and
                 # one left beside the new one could open with the same password to the wrong keys.
                 left.unlink()
-            keys = crypto.Keys.new()
-            made = keys, crypto.add_key(root / "keys", keys, secret)
+            if key_files is None:
+                keys = crypto.Keys.new()
+                made = keys, crypto.add_key(root / "keys", keys, secret)
+            else:
+                for key_id, content in key_files.items():
+                    os.rename(write_tmp(root / "keys", content), root / "keys" / key_id)
+                fsync_dir(root / "keys")
             config = {"format": ENCRYPTED_FORMAT, "chunk_size": chunk_size, "encryption": "aes-256-gcm"}
         data = json.dumps(config).encode()
         os.rename(write_tmp(root / "tmp", data), root / "config.json")  # last: it marks the store made
