@@ -283,9 +283,9 @@ class CachedStore(Store):
                 # Its key file may be one added (or a password changed) in another home since.
                 try:
                     files = _mirror_keys(open_objects(url), root / "keys")
-                except RemoteUnavailable:
+                except RemoteUnavailable as e:
                     raise WrongPassword(f"wrong password for the checkpoint store at {url}, as far as "
-                                        "this host knows (the store does not answer)") from None
+                                        "this host knows (the store does not answer)") from e
                 keys = crypto.unlock_slots(_slots(files, url), secret, url, check)
         if keys is None:
             return cls(root, chunk_size, lock_timeout, url)
