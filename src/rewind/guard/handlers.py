@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rewind.guard.entries import (
@@ -29,6 +30,7 @@ from rewind.guard.entries import (
     word_set,
 )
 from rewind.guard.inline import inline_python
+from rewind.guard.inline_js import inline_js
 from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import (
     HERE,
@@ -132,6 +134,40 @@ def python(call: Call) -> list[Rule]:
     if parsed.has("-V") and not parsed.operands:
         return [Rule(Kind.NONE, "only prints its version")]
     return [RUNS_CODE]
+
+
+@dataclass(frozen=True)
+class Evaluates:
+    """A JavaScript runtime given inline code by `-e CODE`, `--eval=CODE` or `-p CODE` (print
+    its value; `-pe` is both) before its first operand: node, bun. The code is read; a module
+    preloaded with it (`-r`) is not known. Without such a flag, `otherwise` judges."""
+
+    runtime: str
+    options: Options  # its flags, with the value of each that takes one, so a value is not code
+    otherwise: Entry
+    dir_flags: tuple[str, ...] = ()  # bun --cwd DIR
+
+    def __call__(self, call: Call) -> list[Rule]:
+        words = [literal("-e") if word.text in ("-pe", "-ep") else word for word in call.args]
+        parsed = self.options.parse(words, permute=False)
+        if not parsed.has("-e", "-p"):
+            return self.otherwise(call)
+        for folder in parsed.values(*self.dir_flags):
+            call = call.shifted(call.args, call.shell.moved(folder))
+        preloads = [Rule(Kind.FORK, "preloads a module, whose effect is not known here")] \
+            if parsed.has("-r", "--import", "--loader", "--experimental-loader") else []
+        return [*preloads, *(rule for code in parsed.values("-e", "-p") for rule in
+                             inline_js(call, self.runtime, code.text))]
+
+
+_DENO_EVAL_OPTIONS = Options(short_values="cL", long_values=word_set(
+    "--ext --config --import-map --cert --location --seed --log-level"))
+
+
+def deno_eval(call: Call) -> list[Rule]:
+    """deno eval [OPTIONS] CODE [ARGS]: the code is read."""
+    operands = _DENO_EVAL_OPTIONS.parse(call.args, permute=False).operands
+    return inline_js(call, "deno", operands[0].text) if operands else [USAGE]
 
 
 def _after_module(args: list[Word]) -> list[Word]:
