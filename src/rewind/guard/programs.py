@@ -85,6 +85,7 @@ from rewind.guard.handlers import (
     python,
     read_variables,
     remote_daemon,
+    ruby,
     run_shell,
     salt,
     sed,
@@ -383,7 +384,8 @@ LAUNCHERS = Family({
     **each("node nodejs", Evaluates("node", Options(short_values="eprC", long_values=word_set(
         "--eval --print --require --import --loader --experimental-loader --input-type --conditions --title"),
         aliases={"--eval": "-e", "--print": "-p", "--require": "-r"}), RUNS_CODE)),
-    **each("""ruby php Rscript julia java lua luajit make gmake cmake ninja ant bazel meson
+    "ruby": ruby,
+    **each("""php Rscript julia java lua luajit make gmake cmake ninja ant bazel meson
               scons rake pytest tox nox jest vitest mocha pre-commit django-admin flask rails""", RUNS_CODE),
 }, sources=("https://docs.python.org/3/using/cmdline.html#cmdoption-m",
             "https://docs.npmjs.com/cli/commands/npx",
