@@ -6,12 +6,16 @@ Pure Python: no machine is started.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rewind.cli import cli
+from rewind.errors import InvalidArgument
 from rewind.guard.classify import Kind, classify
 from rewind.guard.verdicts import explained
 
@@ -184,3 +188,22 @@ def test_classify_explain_on_the_command_line(tmp_path: Path, monkeypatch: pytes
         "system(...)"
     plain = runner.invoke(cli, ["classify", "--rules", str(rules), "--", "git push"])
     assert plain.output.splitlines() == ["external", "  `git push` pushes to a remote repository (external)"]
+
+
+# Pieces of the languages read, so that random programs reach deep into each reading
+CODE_PIECES = st.lists(st.sampled_from([
+    *"abx(){}[];,.=:'\"`$@#/\\|<>\n +-!?*&", "require", "import", "fs", "child_process", "exec", "spawn",
+    "writeFileSync", "rmSync", "fetch", "method", "Deno", "Bun", "then", "=>", "await", "constructor",
+    "system", "open", "unlink", "File", "FileUtils", "eval", "send", "qx", "%x", "use ", "-|", "'/etc/x'",
+    "'src/a'", "'git push'", "\U0010ffff"]), max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["node -e", "deno eval", "bun -e", "perl -e", "ruby -e", "python3 -c"]),
+       st.one_of(st.text(), CODE_PIECES))
+def test_any_inline_program_is_classified(runner: str, code: str) -> None:
+    try:
+        decision = classify(f"{runner} {shlex.quote(code)}", cwd=PROJECT)
+    except InvalidArgument:
+        return
+    assert decision.reasons and len(decision.reasons) == len(decision.decided_by)

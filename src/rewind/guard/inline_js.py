@@ -94,10 +94,13 @@ def inline_js(call: Call, runtime: str, code: str | None) -> list[Rule]:
         return [unread(runtime, code)]
     reading = _JsReading(call, runtime, code)
     nodes = list(_nodes(root))
-    for node in nodes:  # names are bound first: a function may use one declared below it
-        reading.binds(node)
-    for node in nodes:
-        reading.judge(node)
+    try:
+        for node in nodes:  # names are bound first: a function may use one declared below it
+            reading.binds(node)
+        for node in nodes:
+            reading.judge(node)
+    except RecursionError:  # names nested thousands deep (a.a.a...): not read
+        return [unread(runtime, code)]
     return reading.verdicts("inline JavaScript")
 
 
@@ -447,6 +450,16 @@ class _JsReading(Reading):
         text = _text(value)
         return text.upper() if text is not None else None
 
+    def web_socket(self, function: str, args: list[tree_sitter.Node] | None, what: str) -> None:
+        self.add(SOCKET, what)
+
+    def xhr(self, function: str, args: list[tree_sitter.Node] | None, what: str) -> None:
+        self.requests(None, None, what)  # its method and URL are set by later calls, not followed
+
+    def navigator(self, function: str, args: list[tree_sitter.Node] | None, what: str) -> None:
+        if function == "sendBeacon":  # navigator.sendBeacon(url, data): a POST
+            self.requests(_text(args[0]) if args else None, "POST", what)
+
     def process(self, function: str, args: list[tree_sitter.Node] | None, what: str) -> None:
         if function in _PROCESS_CHANGES:
             self.add(PROCESSES, what)
@@ -515,4 +528,5 @@ _JUDGES = {"fs": _JsReading.fs, "child_process": _JsReading.child_process, "http
            "https": _JsReading.http, "http2": _JsReading.sockets, "net": _JsReading.sockets,
            "tls": _JsReading.sockets, "dgram": _JsReading.sockets, "fetch": _JsReading.fetch,
            "axios": _JsReading.axios, "process": _JsReading.process, "Deno": _JsReading.deno,
-           "Bun": _JsReading.bun}
+           "Bun": _JsReading.bun, "WebSocket": _JsReading.web_socket, "XMLHttpRequest": _JsReading.xhr,
+           "navigator": _JsReading.navigator}

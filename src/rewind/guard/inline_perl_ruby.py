@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # A string whose value is written out: no interpolation ($, @ in Perl; #{} in Ruby), known escapes
 _STRING = re.compile(r"'((?:[^'\\]|\\.)*)'" r'|"((?:[^"\\$@#]|\\[nt"\\])*)"', re.DOTALL)
+_MAX_ARGUMENTS = 1024  # characters of a call's arguments read: a longer statement's last one is unknown
+_MAX_ACTIONS = 200
 _NUMBER = re.compile(r"-?[0-9][0-9_]*")
 _ESCAPES = {"n": "\n", "t": "\t", '"': '"', "\\": "\\", "'": "'"}
 _NETWORK = Rule(Kind.EXTERNAL, "uses a network client, whose requests cannot be known here")
@@ -50,12 +52,13 @@ def _value(text: str) -> str | None:
 def _arguments(code: str, found: re.Match[str]) -> list[str | None]:
     """The arguments of the call `found` names: within its parentheses, or else to the end of
     its statement; each a written-out value or None."""
-    rest = code[found.end():].lstrip()
+    rest = code[found.end():found.end() + _MAX_ARGUMENTS].lstrip()
     if found.group(0).endswith("("):
         rest = "(" + rest
     closing = ")" if rest.startswith("(") else None
     body = rest[1:] if closing else rest
     pieces, depth, quote, current = [], 0, "", ""
+    ended = False
     for i, ch in enumerate(body):
         escaped = i > 0 and body[i - 1] == "\\"
         if quote:
@@ -67,6 +70,7 @@ def _arguments(code: str, found: re.Match[str]) -> list[str | None]:
         elif ch in ")]}" and depth:
             depth -= 1
         elif depth == 0 and (ch == closing or (not closing and ch in ";\n})")):
+            ended = True
             break
         elif depth == 0 and ch == ",":
             pieces.append(current)
@@ -74,7 +78,9 @@ def _arguments(code: str, found: re.Match[str]) -> list[str | None]:
             continue
         current += ch
     pieces.append(re.split(r"\s(?:or|and|if|unless|do)\s|\|\||&&", current)[0] if not closing else current)
-    return [_value(piece) for piece in pieces if piece.strip()]
+    values = [_value(piece) for piece in pieces if piece.strip()]
+    cut = not ended and len(code) - found.end() > _MAX_ARGUMENTS
+    return [*values, None] if cut else values  # arguments past the cut are not known
 
 
 def _strings(values: list[str | None]) -> list[str | None]:
@@ -96,9 +102,12 @@ class _ScriptReading(Reading):
     """What one Perl or Ruby program does, from the actions its text names."""
 
     def scan(self, actions: _Actions) -> None:
-        for pattern, act in actions:
-            for found in pattern.finditer(self.code):
-                act(self, found)
+        found = [(act, match) for pattern, act in actions for match in pattern.finditer(self.code)]
+        if len(found) > _MAX_ACTIONS:  # a one-liner names a few: this many is not read, each costing a scan
+            self.add(Rule(Kind.FORK, f"names more than {_MAX_ACTIONS} actions, too many to read"), "its text")
+            return
+        for act, match in found:
+            act(self, match)
 
     def changes(self, found: re.Match[str], positions: tuple[int, ...] | None = None,
                 removes: bool = False) -> None:
@@ -172,7 +181,7 @@ _PERL: _Actions = [
     (re.compile(r"\b(?:fork|kill)\b"), lambda r, m: r.add(PROCESSES, m.group(0))),
     (re.compile(r"\b(?:socket|connect)\b"), lambda r, m: r.add(SOCKET, m.group(0))),
     (re.compile(_PERL_NETWORK), lambda r, m: r.add(_NETWORK, m.group(0))),
-    (re.compile(r"(?:^|[;{])\s*(?:use|no|require)\s+([A-Za-z_][\w:]*)", re.MULTILINE), _perl_use),
+    (re.compile(r"(?:(?:^|[;{])\s*(?:use|no)|\brequire)\s+([A-Za-z_][\w:]*)", re.MULTILINE), _perl_use),
     (_PERL_CODE, lambda r, m: r.add(RUNS_CODE, m.group(0).strip())),
 ]
 
@@ -227,7 +236,7 @@ def _ruby_open(reading: _ScriptReading, found: re.Match[str]) -> None:
     if re.search(r"\b(?:File|IO|URI)\.\Z", before):
         return
     values = _arguments(reading.code, found)
-    if before.endswith("."):
+    if before.endswith(".") and not before.endswith("Kernel."):
         if any(value is None or set(value) & set("wa+") for value in values):
             reading.writes([None], "writes", "open(...)")
     elif values and values[0] is not None and values[0].startswith("|"):
