@@ -132,6 +132,11 @@ def _source(node: tree_sitter.Node) -> str:
     return (node.text or b"").decode("utf-8", errors="replace")
 
 
+def _shown(node: tree_sitter.Node) -> str:
+    """Code as the program wrote it, on one line and cut, for sources: fs.writeFileSync."""
+    return " ".join(_source(node)[:240].split())[:60]
+
+
 def _arguments(node: tree_sitter.Node) -> list[tree_sitter.Node]:
     args = node.child_by_field_name("arguments")
     return [] if args is None else args.named_children if args.type == "arguments" else [args]
@@ -287,14 +292,14 @@ class _JsReading(Reading):
         member = node.child_by_field_name("property" if node.type == "member_expression" else "index")
         if node.type in ("member_expression", "subscript_expression") and member is not None and \
                 "constructor" in (_source(member), _text(member)):  # "".constructor.constructor is Function
-            self.add(RUNS_CODE, f"{_source(node)[:60]}")
+            self.add(RUNS_CODE, _shown(node))
         if node.type in ("call_expression", "new_expression"):
             callee = node.child_by_field_name("function" if node.type == "call_expression" else "constructor")
             if callee is not None:
                 self.calls(callee, node, _arguments(node))
         elif node.type == "import_statement":
             source = _text(node.child_by_field_name("source"))
-            self.loads(self.module(source) if source is not None else None, _source(node))
+            self.loads(self.module(source) if source is not None else None, node)
         elif node.type in ("member_expression", "subscript_expression", "identifier") and self.used(node):
             name = self.canonical(node)
             if name is not None:  # fs.unlinkSync handed on, to be called with what is only known at run time
@@ -325,13 +330,13 @@ class _JsReading(Reading):
         parts = (self.canonical(callee) or "").split(".")
         if callee.type == "import" or parts[-1] == "require":  # module.require, process.mainModule.require
             module = self.module(_text(args[0]) or "") if len(args) == 1 and _text(args[0]) else None
-            self.loads(module, _source(node))
+            self.loads(module, node)
             if module in _JUDGES and not _followed(node):
                 self.add(Rule(Kind.FORK, f"hands {module} on, where its calls are not followed"),
-                         _source(node))
+                         _shown(node))
             return
         if "require" in parts and parts != ["require", "resolve"]:  # require.call(...): known at run time
-            self.loads(None, _source(node))
+            self.loads(None, node)
             return
         parent = callee.child_by_field_name("object") if callee.type == "member_expression" else None
         if parent is not None and parent.type == "call_expression" and self.canonical(
@@ -342,38 +347,34 @@ class _JsReading(Reading):
         if name is not None:
             self.acts(name, node, args)
 
-    def loads(self, module: str | None, what: str) -> None:
+    def loads(self, module: str | None, node: tree_sitter.Node) -> None:
+        """require(...), import(...), import ... from: a module outside the known set is a fork."""
         if module is not None and module.startswith((".", "/")) and module.endswith(".json"):
             return  # a JSON file is read, not run
         if module is None:
-            self.add(Rule(Kind.FORK, "loads a module only known at run time"), "import(...)")
+            self.add(Rule(Kind.FORK, "loads a module only known at run time"), _shown(node))
         elif module in _RUNS_CODE:
-            self.add(RUNS_CODE, f"require({module!r})")
+            self.add(RUNS_CODE, _shown(node))
         elif module not in _MODULES:
-            self.add(Rule(Kind.FORK, f"loads {module}, whose effect is not known here"),
-                     f"require({module!r})")
+            self.add(Rule(Kind.FORK, f"loads {module}, whose effect is not known here"), _shown(node))
 
     def acts(self, name: str, node: tree_sitter.Node, args: list[tree_sitter.Node] | None) -> None:
         """Judge a call of `name` with `args` (None: the function is handed on, its arguments
         only known at run time)."""
         root, _, rest = name.partition(".")
-        what = f"{self.shown(node)}(...)"
+        callee = node.child_by_field_name("function") or node.child_by_field_name("constructor") or node
+        what = f"{_shown(callee)}(...)"
         if rest.count(".") and rest.rpartition(".")[2] in ("call", "apply", "bind"):
             rest, args = rest.rpartition(".")[0], None  # fs.writeFileSync.call(null, ...): arguments shift
         if root == "[]":
             self.add(Rule(Kind.FORK, "calls a global only known at run time"), what)
-        elif root in _RUNS_CODE or ".constructor" in f".{rest}" or (
+        elif root in _RUNS_CODE or (
                 root in ("setTimeout", "setInterval") and args and _text(args[0]) is not None):
             self.add(RUNS_CODE, what)
         elif root in _MODULES and rest.partition(".")[0] == "[]":
             self.add(Rule(Kind.FORK, f"calls a member of {root} only known at run time"), what)
         elif root in _JUDGES:
             _JUDGES[root](self, rest, args, what)
-
-    def shown(self, node: tree_sitter.Node) -> str:
-        """The called name as the program wrote it, for sources: fs.writeFileSync."""
-        callee = node.child_by_field_name("function") or node.child_by_field_name("constructor") or node
-        return " ".join(_source(callee).split())[:60]
 
     def paths(self, args: list[tree_sitter.Node] | None, positions: tuple[int, ...]) -> list[str | None]:
         if args is None:
