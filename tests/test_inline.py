@@ -6,6 +6,7 @@ Pure Python: no machine is started.
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -188,6 +189,9 @@ def test_classify_explain_on_the_command_line(tmp_path: Path, monkeypatch: pytes
         "system(...)"
     plain = runner.invoke(cli, ["classify", "--rules", str(rules), "--", "git push"])
     assert plain.output.splitlines() == ["external", "  `git push` pushes to a remote repository (external)"]
+    deno = "deno eval \"Deno.writeTextFileSync('/etc/x', '')\""
+    shown = runner.invoke(cli, ["classify", "--json", "--", deno])
+    assert json.loads(shown.output)["decided_by"] == ["inline: deno: Deno.writeTextFileSync(...)"]
 
 
 # Pieces of the languages read, so that random programs reach deep into each reading
