@@ -43,6 +43,9 @@ _WRITERS: dict[str, tuple[int, ...]] = {
     "shutil.copyfile": (1,), "shutil.copytree": (1,), "shutil.chown": (0,),
     "sqlite3.connect": (0,),  # makes the database file, and the code may write it
 }
+# Those that take their path away: naming the project folder takes .git with it
+_REMOVERS = frozenset({"os.rmdir", "os.removedirs", "os.rename", "os.replace", "shutil.rmtree",
+                       "shutil.move"})
 # Path methods that change files; the ones strings share (replace) count only on a Path(...).
 _PATH_WRITERS = frozenset({"write_text", "write_bytes", "touch", "mkdir", "unlink", "rmdir", "symlink_to",
                            "hardlink_to"})
@@ -157,7 +160,7 @@ class _PythonReading(Reading):
         elif name in _WRITERS:
             paths = [self.text(node.args[i]) if i < len(node.args) else None for i in _WRITERS[name]]
             if paths != [":memory:"]:  # sqlite's database in memory
-                self.writes(paths, "changes", what)
+                self.writes(paths, "changes", what, name in _REMOVERS)
         elif name in _RUNNERS:
             first = node.args[0] if node.args else None
             words = [self.text(e) for e in first.elts] if isinstance(first, ast.List | ast.Tuple) else []

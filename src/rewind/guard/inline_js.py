@@ -51,7 +51,8 @@ _DENO_WRITERS: dict[str, tuple[int, ...]] = {
     "writeTextFile": (0,), "writeFile": (0,), "create": (0,), "mkdir": (0,), "remove": (0,), "rename": (0, 1),
     "copyFile": (1,), "symlink": (1,), "link": (1,), "chmod": (0,), "chown": (0,), "truncate": (0,),
     "utime": (0,)}
-_REMOVERS = frozenset({"rm", "rmdir", "unlink", "remove"})  # naming the project folder takes .git too
+# Those that take their path away: naming the project folder takes .git too
+_REMOVERS = frozenset({"rm", "rmdir", "unlink", "remove", "rename"})
 # Runtime APIs that only read or compute, by their first name after Deno. or Bun.
 _DENO_READS = frozenset({
     "readTextFile", "readFile", "readDir", "stat", "lstat", "realPath", "readLink", "cwd", "exit", "inspect",
