@@ -382,8 +382,8 @@ LAUNCHERS = Family({
         "--env-file --project --config"))))),
     "aws-vault": verbs("list ls --version", default=SETTINGS, exec=Wrapper(leading=1)),
     **each("node nodejs", Evaluates("node", Options(short_values="eprC", long_values=word_set(
-        "--eval --print --require --import --loader --experimental-loader --input-type --conditions --title"),
-        aliases={"--eval": "-e", "--print": "-p", "--require": "-r"}), RUNS_CODE)),
+        """--eval --print --require --import --loader --experimental-loader --input-type --conditions
+           --title --env-file"""), aliases={"--eval": "-e", "--print": "-p", "--require": "-r"}), RUNS_CODE)),
     "ruby": ruby,
     **each("""php Rscript julia java lua luajit make gmake cmake ninja ant bazel meson
               scons rake pytest tox nox jest vitest mocha pre-commit django-admin flask rails""", RUNS_CODE),
