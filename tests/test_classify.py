@@ -320,6 +320,8 @@ INLINE_PYTHON = [
     (Kind.GIT, """python3 -c "open('CHANGES.md', 'a').write('- fix\\n')" """),
     (Kind.GIT, """python3 -c "from pathlib import Path; Path('src/version.py').write_text('V = 2')" """),
     (Kind.FORK, """python3 -c "import shutil; shutil.rmtree('/var/lib/app')" """),
+    (Kind.FORK, """python3 -c "import shutil; shutil.rmtree('.')" """),  # the project, with its .git
+    (Kind.FORK, """python3 -c "import os; os.chdir('/etc'); open('motd', 'w')" """),  # a folder not followed
     (Kind.FORK, """python3 -c "import os; os.system('apt-get install -y jq')" """),
     (Kind.EXTERNAL, """python3 -c "import subprocess; subprocess.call(['git', 'push', 'origin'])" """),
     (Kind.EXTERNAL, """python3 -c "import requests; requests.delete('https://api.example.com/items/3')" """),

@@ -453,7 +453,7 @@ def test_rules_come_before_the_table(rules_file: Path, kind: Kind, command: str)
 
 def test_a_rule_is_named_as_what_decided(rules_file: Path) -> None:
     decision = classify("cp x /srv/data/y", cwd=PROJECT, rules=read_rules(rules_file))
-    assert decision.decided_by == (f"rule: {rules_file} #3",)
+    assert decision.decided_by == (f"rule: {rules_file}:12 #3",)  # the third [[rule]], on line 12
     assert decision.reasons == ("`cp x /srv/data/y` copies into /srv/data/y, declared external by a user's "
                                 "rule: an NFS share (external)",)
 

@@ -286,6 +286,7 @@ def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_fil
     """Say what undo COMMAND needs: none, git, fork or external (`rewind classify -- CMD`)."""
     from rewind.guard.classify import classify as classify_command
     from rewind.guard.userrules import find_rules, read_rules
+    from rewind.guard.verdicts import explained
 
     remote, text = _remote(), " ".join(command)
     if remote is None:
@@ -302,7 +303,7 @@ def classify(command: tuple[str, ...], cwd: str | None, explain: bool, rules_fil
     for reason, source in zip(decision.reasons, decision.decided_by, strict=True):
         click.echo(f"  {reason}")
         if explain:
-            click.echo(f"    decided by {source}")
+            click.echo(f"    decided by {explained(source)}")
     if explain and decision.unknown_programs:
         click.echo(f"  a fork only because no rule or table knows: {', '.join(decision.unknown_programs)}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rewind.guard.entries import (
@@ -29,6 +30,8 @@ from rewind.guard.entries import (
     word_set,
 )
 from rewind.guard.inline import inline_python
+from rewind.guard.inline_js import inline_js
+from rewind.guard.inline_perl_ruby import inline_script
 from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import (
     HERE,
@@ -36,6 +39,7 @@ from rewind.guard.words import (
     NO_OPTIONS,
     UNKNOWN,
     Options,
+    Parsed,
     Word,
     file_words,
     folder_of,
@@ -134,6 +138,40 @@ def python(call: Call) -> list[Rule]:
     return [RUNS_CODE]
 
 
+@dataclass(frozen=True)
+class Evaluates:
+    """A JavaScript runtime given inline code by `-e CODE`, `--eval=CODE` or `-p CODE` (print
+    its value; `-pe` is both) before its first operand: node, bun. The code is read; a module
+    preloaded with it (`-r`) is not known. Without such a flag, `otherwise` judges."""
+
+    runtime: str
+    options: Options  # its flags, with the value of each that takes one, so a value is not code
+    otherwise: Entry
+    dir_flags: tuple[str, ...] = ()  # bun --cwd DIR
+
+    def __call__(self, call: Call) -> list[Rule]:
+        words = [literal("-e") if word.text in ("-pe", "-ep") else word for word in call.args]
+        parsed = self.options.parse(words, permute=False)
+        if not parsed.has("-e", "-p"):
+            return self.otherwise(call)
+        for folder in parsed.values(*self.dir_flags):
+            call = call.shifted(call.args, call.shell.moved(folder))
+        preloads = [Rule(Kind.FORK, "preloads a module, whose effect is not known here")] \
+            if parsed.has("-r", "--import", "--loader", "--experimental-loader") else []
+        return [*preloads, *(rule for code in parsed.values("-e", "-p") for rule in
+                             inline_js(call, self.runtime, code.text))]
+
+
+_DENO_EVAL_OPTIONS = Options(short_values="cL", long_values=word_set(
+    "--ext --config --import-map --cert --location --seed --log-level"))
+
+
+def deno_eval(call: Call) -> list[Rule]:
+    """deno eval [OPTIONS] CODE [ARGS]: the code is read."""
+    operands = _DENO_EVAL_OPTIONS.parse(call.args, permute=False).operands
+    return inline_js(call, "deno", operands[0].text) if operands else [USAGE]
+
+
 def _after_module(args: list[Word]) -> list[Word]:
     """The arguments after `-m MODULE`: they are the module's, flags included."""
     for i, word in enumerate(args):
@@ -146,7 +184,7 @@ def _after_module(args: list[Word]) -> list[Word]:
 
 
 def _edits_in_place(call: Call, options: Options, script_flags: tuple[str, ...]) -> list[Rule]:
-    """sed -i, perl -pi, yq -i: the files after the script are edited; the script is the first
+    """sed -i, yq -i: the files after the script are edited; the script is the first
     operand unless given by one of `script_flags`."""
     parsed = options.parse(call.args)
     if not parsed.has("-i"):
@@ -163,14 +201,32 @@ def sed(call: Call) -> list[Rule]:
     return _edits_in_place(call, _SED_OPTIONS, ("-e", "-f"))
 
 
-_PERL_OPTIONS = Options(short_values="eEIMm", optional="il0xCdDF")
+_PERL_OPTIONS = Options(short_values="eEIMm", optional="ixCdDF")  # -l and -0 take only digits: -le is -l -e
+_RUBY_OPTIONS = Options(short_values="eIrCE", optional="FKTWx0i",
+                        long_values=word_set("--encoding --external-encoding --internal-encoding"))
 
 
 def perl(call: Call) -> list[Rule]:
-    parsed = _PERL_OPTIONS.parse(call.args)
-    if parsed.has("-i") and parsed.has("-p", "-n") and parsed.has("-e", "-E"):
-        return _edits_in_place(call, _PERL_OPTIONS, ("-e", "-E"))  # the sed-like one-liner
-    return [RUNS_CODE]
+    return _script(call, "perl", _PERL_OPTIONS.parse(call.args, permute=False), ("-e", "-E"), ("-M", "-m"))
+
+
+def ruby(call: Call) -> list[Rule]:
+    parsed = _RUBY_OPTIONS.parse(call.args, permute=False)
+    for folder in parsed.values("-C"):  # ruby -C DIR: it runs there
+        call = call.shifted(call.args, call.shell.moved(folder))
+    return _script(call, "ruby", parsed, ("-e",), ("-r",))
+
+
+def _script(call: Call, language: str, parsed: Parsed, code_flags: tuple[str, ...],
+            module_flags: tuple[str, ...]) -> list[Rule]:
+    """perl or ruby with its program given by `-e` (several join into one): the program is read;
+    `-i` edits the files after it in place. A program from a file or the input is not known."""
+    codes = [word.text for word in parsed.values(*code_flags)]
+    if not codes:
+        return [RUNS_CODE]
+    code = None if None in codes else "\n".join(text or "" for text in codes)
+    rules = inline_script(call, language, code, [word.text for word in parsed.values(*module_flags)])
+    return [*rules, call.writes(parsed.operands, "edits")] if parsed.has("-i") else rules
 
 
 _YQ_OPTIONS = Options(short_values="pPoIe", aliases={"--inplace": "-i"})

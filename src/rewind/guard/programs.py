@@ -51,6 +51,7 @@ from rewind.guard.entries import (
 from rewind.guard.handlers import (
     RSYNC_OPTIONS,
     SCP_OPTIONS,
+    Evaluates,
     ansible,
     awk,
     change_folder,
@@ -61,6 +62,7 @@ from rewind.guard.handlers import (
     curl,
     database,
     dd,
+    deno_eval,
     eval_string,
     find,
     gh_api,
@@ -83,6 +85,7 @@ from rewind.guard.handlers import (
     python,
     read_variables,
     remote_daemon,
+    ruby,
     run_shell,
     salt,
     sed,
@@ -378,7 +381,11 @@ LAUNCHERS = Family({
     **each("op doppler", verbs("--version", default=SETTINGS, run=Wrapper(Options(long_values=word_set(
         "--env-file --project --config"))))),
     "aws-vault": verbs("list ls --version", default=SETTINGS, exec=Wrapper(leading=1)),
-    **each("""node nodejs ruby php Rscript julia java lua luajit make gmake cmake ninja ant bazel meson
+    **each("node nodejs", Evaluates("node", Options(short_values="eprC", long_values=word_set(
+        """--eval --print --require --import --loader --experimental-loader --input-type --conditions
+           --title --env-file"""), aliases={"--eval": "-e", "--print": "-p", "--require": "-r"}), RUNS_CODE)),
+    "ruby": ruby,
+    **each("""php Rscript julia java lua luajit make gmake cmake ninja ant bazel meson
               scons rake pytest tox nox jest vitest mocha pre-commit django-admin flask rails""", RUNS_CODE),
 }, sources=("https://docs.python.org/3/using/cmdline.html#cmdoption-m",
             "https://docs.npmjs.com/cli/commands/npx",
@@ -414,10 +421,13 @@ PACKAGES_AND_REGISTRIES = Family({
     "pip": _PIP,
     **each("npm pnpm", _NPM),
     "yarn": Subcommands(_NPM.verbs, default=RUNS_CODE, bare=PACKAGES),  # yarn alone installs
-    "bun": verbs("pm --revision", default=RUNS_CODE, **each("install i add a remove rm update link unlink",
-                                                            PACKAGES),
-                 publish=unless_dry_run(PUBLISHES), x=_NPX),
-    "deno": verbs("check info doc types lint-rules completions --version", default=RUNS_CODE,
+    "bun": Evaluates("bun", Options(short_values="epr",
+                                    long_values=word_set("--eval --print --preload --cwd"),
+                                    aliases={"--eval": "-e", "--print": "-p", "--preload": "-r"}),
+                     verbs("pm --revision", default=RUNS_CODE, publish=unless_dry_run(PUBLISHES), x=_NPX,
+                           **each("install i add a remove rm update link unlink", PACKAGES)),
+                     dir_flags=("--cwd",)),
+    "deno": verbs("check info doc types lint-rules completions --version", default=RUNS_CODE, eval=deno_eval,
                   **each("install add remove uninstall cache outdated upgrade", PACKAGES),
                   publish=unless_dry_run(PUBLISHES), fmt=rewrites_here(checks="--check"),
                   lint=rewrites_here(writes="--fix"), compile=FOLDER, init=FOLDER),

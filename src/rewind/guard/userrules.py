@@ -40,7 +40,7 @@ class UserRule:
     """One [[rule]] of a file: a program (and subcommand) or a path glob, and its kind."""
 
     kind: Kind
-    origin: str  # where it was written: "FILE #N"
+    origin: str  # where it was written: "FILE:LINE #N" (FILE #N when its line cannot be told)
     program: str | None = None
     subcommand: tuple[str, ...] = ()
     path: str | None = None
@@ -148,8 +148,9 @@ def _read_file(file: Path) -> list[UserRule]:
     if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
         raise InvalidArgument(f"{file}: `rule` must be an array of tables ([[rule]])")
     lines = [n for n, line in enumerate(text.splitlines(), 1) if re.match(r"\s*\[\[\s*rule\s*\]\]", line)]
-    return [_rule(fields, f"{file}:{lines[i]}" if len(lines) == len(rules) else str(file), f"{file} #{i + 1}")
-            for i, fields in enumerate(rules)]
+    wheres = [f"{file}:{line}" for line in lines] if len(lines) == len(rules) else [str(file)] * len(rules)
+    return [_rule(fields, where, f"{where} #{i + 1}")
+            for i, (where, fields) in enumerate(zip(wheres, rules, strict=True))]
 
 
 def _rule(fields: dict, where: str, origin: str) -> UserRule:

@@ -67,8 +67,11 @@ class Rule:
 class Decision:
     """The kind a command needs, and sentences saying which of its parts decided it.
 
-    `decided_by[i]` says what decided `reasons[i]`: `table: PROGRAM [SUBCOMMAND]`, `rule: FILE
-    #N` (a user's rule), `shell: ...` (a construct of the shell itself) or `unknown program`.
+    `decided_by[i]` says what decided `reasons[i]`: `table: PROGRAM [SUBCOMMAND]`, `rule:
+    FILE:LINE #N` (a user's rule), `inline: LANGUAGE: CALL(...)` (a call of an inline program:
+    node -e, python -c), `environment: NAME` (a variable that aimed a client at another machine),
+    `shell: ...` (a construct of the shell itself) or `unknown program`; a command an inline
+    program runs ends in `(via inline: LANGUAGE: CALL(...))`. `explained` says each in words.
     `unknown_programs` is not empty only when the verdict is a fork for no other reason than
     that these programs are in no table or rule: what they do could be watched rather than
     guessed.
@@ -82,3 +85,30 @@ class Decision:
     def to_json(self) -> dict:
         return {"kind": self.kind.value, "reasons": list(self.reasons), "decided_by": list(self.decided_by),
                 "unknown_programs": list(self.unknown_programs)}
+
+
+# What an inline program's source names besides a call (inline.Reading)
+_INLINE_WHOLE = {"reads only": "which only reads", "syntax error": "which could not be parsed",
+                 "code": "only known at run time"}
+
+
+def explained(source: str) -> str:
+    """A `decided_by` source in words, for `rewind classify --explain`."""
+    source, via, ran_by = source.partition(" (via ")
+    kind, _, detail = source.partition(": ")
+    if kind == "table":
+        said = f"the program table's entry for `{detail}`"
+    elif kind == "rule":
+        said = f"the user's rule at {detail}"
+    elif kind == "inline":
+        language, _, call = detail.partition(": ")
+        whole = _INLINE_WHOLE.get(call)
+        said = f"the inline {language} program, {whole}" if whole else \
+            f"the inline {language} program's call {call}"
+    elif kind == "environment":
+        said = f"the variable {detail}, which aims the client at another machine"
+    elif kind == "shell":
+        said = f"the shell itself ({detail})" if detail else "the shell itself"
+    else:
+        said = "no table or rule: the program is unknown" if source == "unknown program" else source
+    return f"{said}, run by {explained(ran_by.removesuffix(')'))}" if via else said

@@ -8,11 +8,12 @@ effect cannot be known.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fnmatch
 import posixpath
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import tree_sitter
@@ -157,18 +158,21 @@ class Call:
         return Call(self.walker, self.name, args, self.text, shell or self.shell,
                     self.entry if entry is None else entry)
 
-    def run(self, words: list[Word], shell: Shell | None = None) -> None:
-        """Judge the command `words` (a wrapped one) as part of this one."""
-        self.walker.run(words, self.text, shell or self.shell)
+    def run(self, words: list[Word], shell: Shell | None = None, via: str | None = None) -> None:
+        """Judge the command `words` (a wrapped one) as part of this one; `via` names what ran
+        it when that is not the shell (an inline program's call)."""
+        with self.walker.through(via):
+            self.walker.run(words, self.text, shell or self.shell)
 
     def knows(self, program: str) -> bool:
         """Whether a user's rule or the table knows `program`."""
         return program_key(program) is not None or self.walker.rules.declares(program)
 
-    def shell_code(self, word: Word) -> None:
-        """Judge the shell code in `word` (bash -c, eval, trap), when it is known."""
+    def shell_code(self, word: Word, via: str | None = None) -> None:
+        """Judge the shell code in `word` (bash -c, eval, trap), when it is known; `via` as for run."""
         if word.text is not None:
-            self.walker.nested(word.text, self.shell)
+            with self.walker.through(via):
+                self.walker.nested(word.text, self.shell)
 
     def writes(self, words: Iterable[Word], verb: str, removes: bool = False) -> Rule:
         """The rule for changing the files `words` name (`removes`: taking them away, so that
@@ -209,6 +213,7 @@ class Walker:
         self.findings: list[_Finding] = []
         self.level = 0
         self.nesting = 0
+        self.via: str | None = None  # what ran the commands being judged, if not the shell
 
     def decision(self, text: str) -> Decision:
         if not self.findings:
@@ -221,7 +226,19 @@ class Walker:
 
     def add(self, rule: Rule, subject: str) -> None:
         reason = f"`{snippet(subject)}` {rule.why} ({rule.kind})"
-        self.findings.append(_Finding(rule.kind, reason, rule.source or "shell", rule.unknown))
+        source = rule.source or "shell"
+        if self.via:
+            source = f"{source} (via {self.via})"
+        self.findings.append(_Finding(rule.kind, reason, source, rule.unknown))
+
+    @contextlib.contextmanager
+    def through(self, via: str | None) -> Iterator[None]:
+        """Credit what is judged meanwhile to `via` too (the innermost one, when nested)."""
+        before, self.via = self.via, via or self.via
+        try:
+            yield
+        finally:
+            self.via = before
 
     def source(self, text: str, shell: Shell) -> None:
         if "{" in text and max(text) > "\uffff":
