@@ -18,6 +18,7 @@ import pytest
 from conftest import flip_stored_byte, rewind_cli
 
 import rewind.store.crypto as crypto
+from rewind.crashpoints import CRASH_ENV, LOG_ENV
 from rewind.errors import InvalidArgument
 from rewind.home import Home
 from rewind.store import (
@@ -275,6 +276,38 @@ def test_the_store_verbs(tmp_path: Path) -> None:
     said = rewind_cli("store", "check", env={**env, "REWIND_PASSWORD": "wrong"})
     assert said.returncode == 1 and said.stderr.decode().count("\n") == 1 and b"wrong password" in said.stderr
     assert rewind_cli("store", "check", env=env).returncode == 0
+
+
+def _opens(root: Path, password: str) -> bool:
+    try:
+        Store.open(root, password=password).check()
+        return True
+    except WrongPassword:
+        return False
+
+
+@pytest.mark.parametrize("verb", ["passwd", "remove"])
+def test_a_crash_at_any_step_of_a_key_change_leaves_the_store_open_to_a_password(
+        tmp_path: Path, verb: str) -> None:
+    """`rewind store key passwd|remove` killed before each of its durable steps in turn: the
+    store still opens, with the old password or the new one, and then the change completes."""
+    log = tmp_path / "crashes"
+    for step in range(1, 20):
+        root = tmp_path / f"store-{step}"
+        store = make(root)
+        second = store.add_key("second")
+        args = ["store", "key", "passwd"] if verb == "passwd" else ["store", "key", "remove", second]
+        env = {"REWIND_HOME": str(tmp_path / "home"), "REWIND_STORE": str(root), "REWIND_PASSWORD": PASSWORD,
+               "REWIND_NEW_PASSWORD": "new", CRASH_ENV: f"cli:{step}", LOG_ENV: str(log)}
+        done = rewind_cli(*args, env=env)
+        opening = {pw for pw in (PASSWORD, "second", "new") if _opens(root, pw)}
+        if done.returncode == 0:  # no step left to crash at: the change is whole
+            assert opening == ({"second", "new"} if verb == "passwd" else {PASSWORD})
+            assert step > 1
+            return
+        assert done.returncode == -9, done.stderr  # killed at that step
+        assert opening & {PASSWORD, "new"}, f"no password opens the store after a crash at step {step}"
+    raise AssertionError("the key change never completed")
 
 
 # Made once by data/make_encrypted_store.py; never rewritten.
