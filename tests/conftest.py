@@ -48,6 +48,14 @@ def _qemu_only_in_guest_tests(request: pytest.FixtureRequest, tmp_path_factory: 
     monkeypatch.setenv("REWIND_QEMU", str(refuse))
 
 
+@pytest.fixture
+def no_passwords(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No store password or new password from this process's environment."""
+    for name in ("REWIND_PASSWORD", "REWIND_PASSWORD_FILE", "REWIND_NEW_PASSWORD",
+                 "REWIND_NEW_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def images_dir() -> Path:
     path = Path(os.environ.get("REWIND_IMAGES") or Home.from_env().root / "images")

@@ -29,10 +29,8 @@ MARKER = b"BUCKET-MARKER-5e81d2"
 
 
 @pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("REWIND_PASSWORD", "REWIND_PASSWORD_FILE", "REWIND_NEW_PASSWORD",
-                 "REWIND_NEW_PASSWORD_FILE", UPLOAD_ENV):
-        monkeypatch.delenv(name, raising=False)
+def _env(no_passwords: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(UPLOAD_ENV, raising=False)
 
 
 @pytest.fixture

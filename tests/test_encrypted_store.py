@@ -36,11 +36,7 @@ PASSWORD = "correct horse"
 MARKER = b"SECRET-MARKER-7f3a9c"
 
 
-@pytest.fixture(autouse=True)
-def _no_password_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("REWIND_PASSWORD", "REWIND_PASSWORD_FILE", "REWIND_NEW_PASSWORD",
-                 "REWIND_NEW_PASSWORD_FILE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_passwords")
 
 
 def make(path: Path, password: str = PASSWORD) -> Store:
