@@ -125,6 +125,23 @@ def test_try_copy_is_offline_unless_asked(home: Home) -> None:
         listener.close()
 
 
+def test_a_migration_aimed_at_another_host_is_refused_and_never_reaches_it(home: Home) -> None:
+    """DATABASE_URL points the tool at a database elsewhere (10.0.2.2 is the host's loopback,
+    which these rules let the machine reach): judged external before anything runs, so the
+    listener standing in for the remote database sees no connection."""
+    listener = Listener("127.0.0.1")
+    try:
+        sbx = Sandbox.create("agent", home=home, network={"internet": True, "allow": ["127.0.0.1"]})
+        reach = f"exec 3<>/dev/tcp/10.0.2.2/{listener.port} && head -1 <&3"
+        step = f"DATABASE_URL=postgres://10.0.2.2:{listener.port}/app alembic upgrade head; {reach}"
+        with pytest.raises(Refused, match="DATABASE_URL"):
+            sbx.guarded(step, cwd="/root")
+        assert listener.accepted == 0
+        assert sbx.exec(reach).ok and listener.accepted == 1  # the rules let it through: the refusal did
+    finally:
+        listener.close()
+
+
 def test_git_tier_puts_the_project_back(home: Home) -> None:
     sbx = Sandbox.create("agent", home=home)
     sbx.exec(SETUP_REPO, check=True)
