@@ -169,6 +169,9 @@ def test_over_http(sbx: Sandbox, shared_home: Home, stepped: dict, tmp_path: Pat
         assert _changes(d) == EXPECTED
         assert [p.name for p in d.packages] == ["rewind-hello"]
         assert d.listening_opened == ["tcp 0.0.0.0:8123"]
+        text = remote.diff_content("/root/proj/edit.txt", stepped["before"], stepped["after"])
+        assert text == sbx.diff_content("/root/proj/edit.txt", stepped["before"], stepped["after"])
+        assert "+more" in text
         assert set(_changes(remote.diff(stepped["before"].id, stepped["after"].id, paths=["/usr/*"]))) == \
             {p for p in EXPECTED if p.startswith("/usr/")}
         r = rewind_cli("diff", sbx.name, stepped["before"].id, "--json", env={"REWIND_URL": url})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import RayActorError
@@ -137,6 +137,19 @@ class Fleet:
 
 class FleetSandbox:
     """A machine on a node of the fleet, with the Sandbox calls, run on its node."""
+
+    name: str
+    # Where it is not Sandbox's surface (rewind/handle.py), on purpose (tests/test_faces.py):
+    # a fleet handle runs an agent's work; what it lacks is done on the node's own host.
+    DIFFERS: ClassVar[dict[str, str]] = {
+        **{verb: "not offered: a fleet runs steps and their points; manage the machine on its node"
+           for verb in ("status", "labels", "set_labels", "set_ttl", "guarded", "fork", "fork_many", "diff",
+                        "diff_content", "start", "stop")},
+        "exec": "its options go to Sandbox.exec on the node as keywords (`**options`)",
+        "checkpoint": "`uploaded`: wait until the point is in the fleet's bucket, for another node",
+        "restore": "no `allow_unsigned`: the node's home decides",
+        "fork_to": "a copy on another node, through the fleet's store",
+    }
 
     def __init__(self, fleet: Fleet, name: str, node: str, agent: Any, slot: Any) -> None:
         self.fleet, self.name, self.node = fleet, name, node

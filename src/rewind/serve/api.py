@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
@@ -424,6 +424,12 @@ def create_app(service: Service, token: str | None, policy: AccessPolicy) -> ASG
         it, the machine now: files, packages, processes, listening sockets, rules, labels.
         `all`: also the noise list's paths; `paths`: globs, repeatable."""
         return service.diff(name, before, after, all=all, paths=paths)
+
+    @app.get("/machines/{name}/diff/content", tags=["checkpoints"], response_class=PlainTextResponse)
+    def diff_content(name: str, path: str, before: str = "~0", after: str | None = None) -> str:
+        """A unified diff of one text file from point `before` to point `after` or, without it,
+        the machine now."""
+        return service.diff_content(name, path, before, after)
 
     @app.post("/classify", tags=["commands"])
     def classify(body: ClassifyBody) -> dict:

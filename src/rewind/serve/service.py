@@ -230,6 +230,9 @@ class Service:
              paths: list[str] | None = None) -> dict[str, Any]:
         return self.sandbox(name).diff(before, after, noise=all, paths=paths or None).to_json()
 
+    def diff_content(self, name: str, path: str, before: str = "~0", after: str | None = None) -> str:
+        return self.sandbox(name).diff_content(path, before, after)
+
     @staticmethod
     def classify(command: str, cwd: str | None = None) -> dict[str, Any]:
         return classify(command, cwd=cwd, rules=find_rules()).to_json()
