@@ -16,7 +16,7 @@ EXPECTED = {
     "start_to_first_exec_s", "exec_true_ms", "file_write_10mb_s", "file_read_10mb_s",
     "checkpoint_pause_guest_ms", "checkpoint_pause_qemu_ms", "checkpoint_call_s", "store_one_checkpoint_mib",
     "store_check_read_data_s", "restore_to_first_exec_s", "create_from_checkpoint_s",
-    "branch_to_child_exec_s", "branch_source_pause_ms", "memory_per_idle_child_1_mib",
+    "branch_to_child_exec_s", "branch_source_pause_ms", "memory_per_idle_child_1_mib", "fan_out_1_answered_s",
     "guard_none_added_ms", "guard_git_added_ms", "guard_fork_added_ms",
     "curve_64_checkpoint_s", "curve_128_pause_ms", "curve_128_size_mib", "curve_restore_s",
     "loop_checkpoint_s", "loop_restore_to_exec_s", "loop_failed_try_s", "loop_passed_try_s",
