@@ -19,6 +19,7 @@ from test_s3_store import _point_at, _until, server  # noqa: F401 (the module's 
 from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
 from rewind.errors import InvalidArgument
+from rewind.signers import signing_key, trust
 from rewind.store import CorruptChunk, Store, StoreError, WrongPassword
 from rewind.store.cache import UPLOAD_ENV, CachedStore, PushReport, cache_root
 from rewind.store.locks import held_file
@@ -186,6 +187,7 @@ def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tup
     point = sbx.checkpoint(name="with-secrets", wait=True)
     assert point.uploaded is True
     other = Home(root=tmp_path / "other-home", images=home.images)
+    trust(other, signing_key(home).public)  # the point is signed by this home
     try:
         copy = Sandbox.create("copy", from_checkpoint="with-secrets", home=other)
         assert copy.files.read("/root/marker.txt").decode() == disk_marker * 1000

@@ -73,10 +73,13 @@ class Sizes:
     written: int  # 16 KiB files written
     rows: int  # sqlite rows
     tests: int = 30
+    # The pip and pytest steps, the slowest under TCG: tests/test_bench.py's quick bench took
+    # 149 s in a full run of the suite with them (5fb873c), 73 s alone without them.
+    packages: bool = True
 
 
 FULL = Sizes(files=1500, cpu_rounds=5_000_000, written=200, rows=20_000)
-QUICK = Sizes(files=300, cpu_rounds=1_000_000, written=50, rows=5_000)
+QUICK = Sizes(files=300, cpu_rounds=1_000_000, written=50, rows=5_000, packages=False)
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,13 @@ def steps(sizes: Sizes) -> list[Step]:
              setup="rm -rf repo; cp -r tree repo"),
         Step("sqlite", f"insert {sizes.rows:,} rows in one transaction (python3's sqlite3)",
              f"python3 insert.py {sizes.rows}", setup="rm -f bench.db"),
+    ] + ([
         Step("pip", "`python3 -m venv`, then `pip install` of two local wheels",
              "python3 -m venv venv\nvenv/bin/pip install -q --no-index --find-links wheels benchpkg",
              setup="rm -rf venv"),
         Step(PYTEST, f"`python3 -m pytest -q` on {sizes.tests} trivial tests",
              "cd project\nPYTHONPATH=../pylib python3 -m pytest -q -p no:cacheprovider"),
-    ]
+    ] if sizes.packages else [])
 
 
 # ---- fixtures ----
@@ -132,16 +136,23 @@ def make_fixtures(root: Path, sizes: Sizes, progress: Progress) -> list[Step]:
     for name, text in (("cpu.py", CPU), ("write.py", WRITE), ("insert.py", INSERT)):
         (root / name).write_text(text)
     _tree(root / "tree", sizes.files)
+    plan = steps(sizes)
+    if not sizes.packages:
+        return _compiled(root, plan)
     (root / "wheels").mkdir()
     _wheel(root / "wheels", "benchdep", [])
     _wheel(root / "wheels", "benchpkg", ["benchdep"])
-    plan = steps(sizes)
     try:
         _copy_distributions(PYTEST, root / "pylib")
         _tests(root / "project", sizes.tests)
     except importlib.metadata.PackageNotFoundError as e:
         progress(f"work: no pytest step (the pytest to copy is not installed beside rewind: {e})")
         plan = [step for step in plan if step.name != PYTEST]
+    return _compiled(root, plan)
+
+
+def _compiled(root: Path, plan: list[Step]) -> list[Step]:
+    """`plan`, once the fixtures' Python is compiled."""
     # Compiled once here with the Python the steps run, so no repeat compiles them (steps
     # write no bytecode); the copies keep mtimes, so the compiled files stay valid in each.
     subprocess.run(["/usr/bin/python3", "-m", "compileall", "-q", str(root)], check=True, capture_output=True)
