@@ -170,6 +170,7 @@ def test_push_counts_what_an_upload_already_running_sent(bucket: tuple[str, Path
     a.wait_uploaded(point)  # already there: returns at once
 
 
+@pytest.mark.slow  # over 30 s here: its first upload sends the image's disk layers
 def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tuple[str, Path], tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither a file's content nor a process's memory is in any object of the bucket; the
