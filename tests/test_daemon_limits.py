@@ -16,10 +16,9 @@ import httpx2
 import pytest
 from conftest import rewind_cli
 from invariants import wait_until
-from serving import home_env
+from serving import daemon_pid, home_env
 
 from rewind import Home, Sandbox
-from rewind.bench.load import processes_naming
 from rewind.serve.process import serve_process
 
 TOKEN_HEADER = "Authorization"
@@ -126,7 +125,7 @@ def _policies(pid: int) -> dict[int, tuple[int, int]]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="a real-time priority needs root or CAP_SYS_NICE")
 def test_the_event_loop_runs_first_and_the_machines_it_starts_as_normal_threads(
         daemon: httpx2.Client) -> None:
-    [server] = processes_naming(f"--port\0{daemon.base_url.port}\0")
+    server = daemon_pid(daemon.base_url.port)
     _created(daemon, name="prio")
     try:
         qemu = daemon.get("/machines/prio").json()["pid"]

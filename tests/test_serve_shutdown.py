@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx2
 import pytest
 from invariants import assert_home_whole, unrecorded_processes, wait_until
+from serving import daemon_pid
 
 from rewind import Home
 from rewind.bench.load import processes_naming
@@ -63,7 +64,7 @@ def test_a_daemon_ended_in_the_middle_of_work_leaves_the_home_whole(
             t.start()
         # Ended once the work has started QEMUs of its own: in the middle of it.
         wait_until(lambda: _qemus(home) > running, "a QEMU started by the work in flight", timeout=60)
-        [server] = processes_naming(f"--port\0{http.base_url.port}\0")
+        server = daemon_pid(http.base_url.port)
         os.kill(server, how)
         for t in threads:
             t.join(timeout=120)
