@@ -21,7 +21,7 @@ from rewind.errors import InvalidArgument
 from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
-from rewind.results import LOCAL_HOST, Checkpoint, Command, Refused
+from rewind.results import LOCAL_HOST, Checkpoint, Command, ExecResult, Refused
 from rewind.sandbox import Sandbox, history_of, open_store, try_in_copy
 from rewind.serve import wire
 from rewind.serve.budget import Admission, Budget
@@ -185,8 +185,7 @@ class Service:
             for sink, text in ((on_stdout, result.stdout), (on_stderr, result.stderr)):
                 if sink is not None and text:
                     sink(text)
-        ran = wire.exec_json(result) if result is not None else {
-            "exit_code": -1, "stdout": "", "stderr": done.note, "timed_out": False, "ok": False}
+        ran = wire.exec_json(result or ExecResult(exit_code=-1, stdout="", stderr=done.note))
         verdict = None if decision is None else decision.to_json()
         return {**ran, "verdict": verdict, "policy": StepPolicy.GUARDED.value, "guarded": done.to_json()}
 
