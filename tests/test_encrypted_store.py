@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import shutil
+import subprocess
 import sys
 import time
 from io import BytesIO
@@ -105,6 +106,44 @@ def test_a_wrong_or_missing_password_is_refused_and_writes_nothing(tmp_path: Pat
     with pytest.raises(WrongPassword):  # no store is made without a password either
         Store.open(tmp_path / "new", create=True, encrypt=True, password=lambda: "")
     assert not (tmp_path / "new").exists()
+
+
+def _no_scrypt(*_: object) -> bytes:
+    raise AssertionError("scrypt ran")
+
+
+def test_a_process_pays_scrypt_once_per_key_file_and_password(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    make(tmp_path / "store")
+    first = Store.open(tmp_path / "store", password=PASSWORD)
+    monkeypatch.setattr(crypto, "_derive", _no_scrypt)
+    assert Store.open(tmp_path / "store", password=PASSWORD).keys == first.keys  # remembered
+    with pytest.raises(AssertionError, match="scrypt ran"):  # another password is tried in full
+        Store.open(tmp_path / "store", password="incorrect horse")
+
+
+def test_a_helper_handed_the_keys_skips_scrypt_but_still_needs_the_password(tmp_path: Path) -> None:
+    """What a committer gets from its parent (engine/pending.py start_committer): the keys this
+    process unlocked, through a pipe; with them a child opens the store without scrypt, with
+    the right password only."""
+    import rewind.store
+
+    make(tmp_path / "store")
+    Store.open(tmp_path / "store", password=PASSWORD)
+    handed = rewind.store.unlocked_for_child()
+    assert PASSWORD.encode() not in handed
+    child = ("import sys, rewind.store, rewind.store.crypto as c\n"
+             "rewind.store.take_unlocked(open(int(sys.argv[1]), 'rb').read())\n"
+             "c._derive = lambda *a: sys.exit(3)\n"  # scrypt would end the child with 3
+             "rewind.store.Store.open(sys.argv[2], password=sys.argv[3])\n")
+    for password, code in ((PASSWORD, 0), ("incorrect horse", 3)):
+        read, write = os.pipe()
+        os.write(write, handed)
+        os.close(write)
+        done = subprocess.run([sys.executable, "-c", child, str(read), str(tmp_path / "store"), password],
+                              pass_fds=(read,), capture_output=True, text=True)
+        os.close(read)
+        assert done.returncode == code, done.stderr
 
 
 def test_keys_add_list_remove_and_change_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

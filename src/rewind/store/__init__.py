@@ -8,6 +8,7 @@ record or writes one durably (store.disk, store.model) does not load the whole s
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
@@ -25,7 +26,7 @@ __all__ = [
     "CheckpointExists", "CheckpointManifest", "CorruptChunk", "GcReport", "HistoryEntry", "Progress",
     "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "UntrustedCheckpoint", "WrongPassword",
     "export_checkpoint",
-    "import_checkpoint", "new_checkpoint_id",
+    "import_checkpoint", "new_checkpoint_id", "take_unlocked", "unlocked_for_child",
 ]
 
 if TYPE_CHECKING:
@@ -50,6 +51,20 @@ if TYPE_CHECKING:
         new_checkpoint_id,
     )
     from rewind.store.transfer import export_checkpoint, import_checkpoint
+
+
+def unlocked_for_child() -> bytes:
+    """The keys this process unlocked of encrypted stores, for a helper it starts to open
+    them without scrypt (store/crypto.py); empty if it opened none, without loading the
+    cipher library."""
+    crypto = sys.modules.get("rewind.store.crypto")
+    return b"" if crypto is None else crypto.unlocked_for_child()
+
+
+def take_unlocked(data: bytes) -> None:
+    """Remember what a parent process's unlocked_for_child() handed over."""
+    if data:
+        importlib.import_module("rewind.store.crypto").take_unlocked(data)
 
 
 def __getattr__(name: str) -> object:

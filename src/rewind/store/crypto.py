@@ -162,12 +162,45 @@ class KeySlot:
                    salt=_unb64(data["salt"]), data=_unb64(data["data"]))
 
     def unlock(self, password: str) -> Keys | None:
-        """The store's keys, or None if `password` is not this slot's."""
+        """The store's keys, or None if `password` is not this slot's. Remembered for the
+        process's life (see _unlocked)."""
+        memo = self._memo_key(password)
+        if memo in _unlocked:
+            return _unlocked[memo]
         wrapper = Keys(encrypt=_derive(password, self.salt, self.n, self.r, self.p), chunk_id=b"")
         try:
-            return Keys.from_json(json.loads(wrapper.unseal(KEY_FILE, self.data)))
+            keys = Keys.from_json(json.loads(wrapper.unseal(KEY_FILE, self.data)))
         except InvalidTag:
             return None
+        _unlocked[memo] = keys
+        return keys
+
+    def _memo_key(self, password: str) -> str:
+        """Names this file opened with this password; it holds neither (a keyed hash whose key
+        is the file itself, so the same password gives unrelated names in two files)."""
+        return blake3.blake3(password.encode(), key=blake3.blake3(self.salt + self.data).digest()).hexdigest()
+
+
+# Keys a key file opened with a password in this process, by KeySlot._memo_key: scrypt costs
+# 0.13 s here, and a process opens its store on each checkpoint and restore (twice per
+# checkpoint with its committer). A store open in this process holds the same keys anyway.
+_unlocked: dict[str, Keys] = {}
+
+
+def unlocked_for_child() -> bytes:
+    """What this process unlocked, for a helper it starts (handed over through a pipe, never
+    the environment or a file): the helper then opens those stores with the password it
+    was given without paying scrypt again."""
+    if not _unlocked:
+        return b""
+    return json.dumps({memo: keys.to_json() for memo, keys in _unlocked.items()}).encode()
+
+
+def take_unlocked(data: bytes) -> None:
+    """Remember what a parent process handed over (unlocked_for_child). Each entry still
+    needs the same key file and password to be used: a wrong password unlocks nothing."""
+    for memo, keys in json.loads(data).items():
+        _unlocked[memo] = Keys.from_json(keys)
 
 
 def new_slot(keys: Keys, password: str) -> KeySlot:
