@@ -13,6 +13,7 @@ doing the same work: what encryption costs.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -28,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.bench.model import Report
-from rewind.bench.ours import Progress, close_home, timed, timed_result
+from rewind.bench.ours import Progress, close_home, timed
 from rewind.engine.machine import Engine
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.signers import signing_key, trust
 from rewind.store import Store
 from rewind.store.cache import CachedStore
+from rewind.store.signing import parse_public, signed_bytes
 
 KEY, SECRET = "rewind-bench", "rewind-bench-secret"
 PASSWORD = "rewind-bench-password"  # of the encrypted stores
@@ -165,27 +167,30 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
                 for sbx in machines:
                     sbx.exec(f"head -c 8M /dev/urandom > /root/data-{i} && sync", check=True)
                 # Each timing starts once the one before has finished its work in the background
-                # (a committer, the write-out of memory): plain and encrypted are then compared on
-                # the same quiet host, not one against the other's leftovers.
-                Engine(a).settle()
-                until_stored.append(timed(lambda: to_folder.checkpoint(wait=True)))
-                Engine(a).settle()
-                secret_stored.append(timed(lambda: to_secret_folder.checkpoint(wait=True)))
-                Engine(a).settle()
-                # wait=True with a bucket: until the point is uploaded.
-                seconds, point = timed_result(lambda i=i: to_bucket.checkpoint(name=f"bench-{i}", wait=True))
-                until_uploaded.append(seconds)
-                sent.append(uploads(bucket)[point.id]["bytes"] / (1 << 20))
-                Engine(a).settle()
-                secret_uploaded.append(timed(lambda i=i: to_secret_bucket.checkpoint(name=f"secret-{i}",
-                                                                                     wait=True)))
-                # A second home, its caches empty but for earlier rounds': through the bucket ...
-                through_s3.append(_create_until_exec(b, f"bench-{i}", None))
-                secret_through_s3.append(_create_until_exec(e, f"secret-{i}", secret_url))
-                # ... and from a store folder both homes share, for comparison.
-                through_folder.append(_create_until_exec(c, to_folder.history()[0].id, str(local)))
-                secret_through_folder.append(_create_until_exec(d, to_secret_folder.history()[0].id,
-                                                                str(secret_folder)))
+                # (a committer, the write-out of memory). The order stays the same in every round:
+                # a point holds what its guest changed since the one before, so each machine must
+                # get the same time between its points (taking turns at going first made the
+                # points alternately 87 and 1,557 chunks here).
+                pairs = [  # each step returns its seconds
+                    (lambda: timed(lambda: to_folder.checkpoint(wait=True)), until_stored),
+                    (lambda: timed(lambda: to_secret_folder.checkpoint(wait=True)), secret_stored),
+                    (lambda i=i: timed(lambda: to_bucket.checkpoint(name=f"bench-{i}", wait=True)),
+                     until_uploaded),
+                    (lambda i=i: timed(lambda: to_secret_bucket.checkpoint(name=f"secret-{i}", wait=True)),
+                     secret_uploaded),
+                    # A second home, its caches empty but for earlier rounds': through the bucket ...
+                    (lambda i=i: _create_until_exec(b, f"bench-{i}", None), through_s3),
+                    (lambda i=i: _create_until_exec(e, f"secret-{i}", secret_url), secret_through_s3),
+                    # ... and from a store folder both homes share, for comparison.
+                    (lambda: _create_until_exec(c, to_folder.history()[0].id, str(local)), through_folder),
+                    (lambda: _create_until_exec(d, to_secret_folder.history()[0].id, str(secret_folder)),
+                     secret_through_folder),
+                ]
+                for step, figures in pairs:
+                    Engine(a).settle()
+                    figures.append(step())
+                sent.append(uploads(bucket)[to_bucket.history()[0].id]["bytes"] / (1 << 20))
+            signing = _signing_seconds(a, local, to_folder.history()[0].id)
             for sbx in machines:
                 sbx.delete()
             copy = Sandbox.create(from_checkpoint=f"bench-{rounds - 1}", home=b)
@@ -227,9 +232,26 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
                "folder (rounds 2+)", "x", stored_x, target=1.10)
     report.add("encrypted_over_plain_create_x", "encrypted over plain: create-from in a second home from a "
                "shared folder (rounds 2+)", "x", create_x, target=1.10)
+    # Signing is in both columns above: its own cost, as a share of a checkpoint until stored.
+    report.add("signing_share_of_checkpoint_x", "signing and checking a point's signature, over a checkpoint "
+               "until stored in a folder", "x", [t / statistics.median(until_stored[1:]) for t in signing])
     report.add("encrypted_create_from_shared_folder_s", "create-from in a second home until first exec, "
                "from an encrypted store folder both share (first round: caches empty)", "s",
                secret_through_folder)
+
+
+def _signing_seconds(home: Home, store_path: Path, point_id: str, repeats: int = 5) -> list[float]:
+    """What signing a point's manifest (at its commit) and checking it (at a restore) take,
+    on the manifest as stored: one Ed25519 signature each over its canonical bytes."""
+    manifest = Store.open(store_path).get(point_id)
+    key, data = signing_key(home), manifest.to_json()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        signature = key.sign(data)
+        parse_public(signature.key).verify(base64.b64decode(signature.sig), signed_bytes(data))
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def _create_until_exec(home: Home, ref: str, store: str | None) -> float:
