@@ -213,6 +213,47 @@ def test_an_unknown_program_is_watched_in_an_offline_copy(home: Home) -> None:
     assert sbx.history()[0].id == allowed.checkpoint
 
 
+def test_a_known_program_is_watched_in_its_copy_too(home: Home) -> None:
+    """python3 running a script is in the tables (a fork: it runs code), so its copy keeps the
+    machine's network, but only for package registries: the script's connection to the
+    host's loopback, which the machine itself may reach, is refused in the copy, names the
+    step external, and never reaches the listener."""
+    listener = Listener("127.0.0.1")
+    try:
+        sbx = Sandbox.create("agent", home=home, network={"internet": False, "allow": ["127.0.0.1"]})
+        sbx.files.write("/root/report.py", "import socket, pathlib\n"
+                        "pathlib.Path('/root/sent').write_text('x')\n"
+                        f"socket.create_connection(('10.0.2.2', {listener.port}), timeout=3).close()\n")
+        assert classify("python3 /root/report.py").unknown_programs == ()
+        tried = rf"the step tried to reach .*10\.0\.2\.2:{listener.port}"
+        with pytest.raises(Refused, match=tried) as refused:
+            sbx.guarded("python3 /root/report.py")
+        assert refused.value.attempted and listener.accepted == 0
+        assert not sbx.exec("test -e /root/sent").ok and machines(home) == ["agent"]  # the copy is gone
+
+        quiet = sbx.guarded("python3 -c 'open(\"/srv/quiet\", \"w\").write(\"ok\")'")
+        assert (quiet.path, quiet.undone) == ("copy", False) and quiet.outcome.attempted == (), quiet
+
+        ran = sbx.guarded("python3 /root/report.py", allow_external=True)
+        assert ran.path == "checkpoint" and ran.ok and listener.accepted == 1, ran
+        assert sbx.exec("test -e /root/sent").ok and sbx.history()[0].id == ran.checkpoint
+    finally:
+        listener.close()
+
+
+def test_a_copy_may_fetch_only_from_registries_the_machine_may_reach() -> None:
+    from rewind.engine.netrules import NetworkRules
+    from rewind.guard.watch import REGISTRIES, watched_rules
+
+    everything = watched_rules(NetworkRules())
+    assert (everything.internet, everything.allow, everything.deny) == (False, REGISTRIES, ())
+    some = watched_rules(NetworkRules.parse(internet=False, deny=["192.0.2.0/24"],
+                                            allow=["pypi.org", "*.pythonhosted.org", "10.0.0.0/8"]))
+    assert some.allow == ("pypi.org", "files.pythonhosted.org") and some.deny == ("192.0.2.0/24",)
+    assert watched_rules(NetworkRules.parse(deny=["github.com"])).allow == tuple(
+        r for r in REGISTRIES if r != "github.com")
+
+
 def test_guard_bad_input(home: Home) -> None:
     sbx = Sandbox.create("agent", home=home)
     for bad in ("", "   ", "x" * (1 << 20), "echo \udcff"):

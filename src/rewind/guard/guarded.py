@@ -9,10 +9,12 @@ The classifier decides the path:
 - external: it acts outside the machine, where nothing can take it back, so it is
   refused unless the caller allows it; then the machine is checkpointed first.
 
-A fork only because a program is in no table or rule is watched rather than guessed: it runs
-in an offline copy whose network filter records what it tries to reach. If it tried to
-reach anything, the copy goes and the step is treated as external: refused (Refused says
-where it tried to go) or, when allowed, run on the machine after a checkpoint.
+Every copy is watched: its network filter refuses and records what the step reaches beyond
+fetching code (guard/watch.py: package registries and code hosts the machine may reach; a
+fork only because a program is in no table or rule runs offline). If it reached anything,
+the copy goes and the step is treated as external: refused (Refused says where it tried to
+go) or, when allowed, run on the machine after a checkpoint. So a known tool pointed
+somewhere by its configuration is caught by what it does, not by what the tables guess.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rewind.guard import gittier
 from rewind.guard.classify import Kind, classify
 from rewind.guard.trial import try_in_copy
 from rewind.guard.userrules import NO_RULES, UserRules
+from rewind.guard.watch import watched_rules
 from rewind.results import ExecResult, GuardedResult, Outcome, Refused
 
 if TYPE_CHECKING:
@@ -54,17 +57,21 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
         raise Refused(f"refused: {'; '.join(decision.reasons)}; it acts outside the machine, where no "
                       f"checkpoint can take it back (pass allow_external to run it anyway)", decision)
 
-    watched: Outcome | None = None  # the offline copy an unknown program ran in first
+    watched: Outcome | None = None  # the copy the step ran in first, if it reached outside
     if kind is Kind.FORK:
         unknown = decision.unknown_programs
-        outcome = try_in_copy(engine, machine, store, command, verify, offline=offline or bool(unknown),
-                              cwd=cwd, timeout=timeout or TRIAL_TIMEOUT, watch=bool(unknown))
+        offline = offline or bool(unknown)
+        outcome = try_in_copy(engine, machine, store, command, verify, offline=offline, cwd=cwd,
+                              timeout=timeout or TRIAL_TIMEOUT, watch=True,
+                              network=None if offline else watched_rules(machine.network))
         if not outcome.attempted:
             return done("copy", outcome.step.result, outcome.verify.result if outcome.verify else None,
                         undone=outcome.kept != "copy", note=outcome.reason, outcome=outcome)
         if not allow_external:
-            raise Refused(f"refused: {', '.join(unknown)} tried to reach outside the machine from an offline "
-                          f"copy ({', '.join(outcome.attempted)}); the copy was thrown away (pass "
+            who = ", ".join(unknown) if unknown else "the step"
+            where = "an offline copy" if offline else "its copy, which may reach only package registries"
+            raise Refused(f"refused: {who} tried to reach outside the machine from {where} "
+                          f"({', '.join(outcome.attempted)}); the copy was thrown away (pass "
                           f"allow_external to run it on the machine, after a checkpoint)", decision,
                           outcome.attempted)
         kind, watched = Kind.EXTERNAL, outcome  # it reaches outside: run it for real, after a checkpoint
@@ -83,7 +90,7 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
         path = "checkpoint" if checkpoint else "direct"
         note = f"saved as {checkpoint[:12]} first" if checkpoint else "ran as is"
         if watched is not None:
-            note = f"it tried to reach {', '.join(watched.attempted)} from an offline copy; {note}"
+            note = f"it tried to reach {', '.join(watched.attempted)} from its copy; {note}"
         return done(path, step, checked, undone=False, note=note, checkpoint=checkpoint, outcome=watched)
     if passed:
         return done("git", step, checked, undone=False, note=f"{folder} recorded first; kept")

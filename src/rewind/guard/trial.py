@@ -72,11 +72,13 @@ def _log(*runs: StepRun | None) -> str:
 
 def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verify: str | None,
                 offline: bool = True, cwd: str | None = None,
-                timeout: float = TRY_TIMEOUT, watch: bool = False, diff: bool = True) -> Outcome:
+                timeout: float = TRY_TIMEOUT, watch: bool = False, diff: bool = True,
+                network: NetworkRules | None = None) -> Outcome:
     """Run `step` then `verify` (None: the step's own exit code decides) in a copy of `machine`.
     `watch`: the copy is not kept if it tried to reach anything its rules refused (the guard,
     for programs it does not know); Outcome.attempted says what. `diff`: Outcome.diff says
-    what the step changed in the copy (it costs a flush of the copy and a read of its disk)."""
+    what the step changed in the copy (it costs a flush of the copy and a read of its disk).
+    `network`: the copy's rules when not `offline` (default: the machine's own)."""
     from rewind.guard.classify import checked_command  # its parser: 40 ms to load
 
     step = checked_command(step, "the step")
@@ -86,7 +88,7 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
         raise InvalidArgument(f"timeout must be a positive number of seconds (got {timeout})")
     started = time.monotonic()
     copy_name = f"{machine.name[:40]}.try-{secrets.token_hex(3)}"
-    rules = NetworkRules(internet=False) if offline else machine.network
+    rules = NetworkRules(internet=False) if offline else network or machine.network
     # The caller waits for the copy: its memory image is made before fork returns, which is
     # quicker than a background capture (see snapshot.capture's `held`).
     [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
