@@ -854,9 +854,11 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
     if remote is not None and not _is_file(source):
         info = remote.create(name, from_checkpoint=source, at=at, labels=wanted).info()
     else:
+        from rewind.engine import timeline
+
         engine = _engine()  # a point not yet stored runs from its capture: no settle here
-        info = engine.create_from(open_store(engine.home, store_dir), _source(source), name=name,
-                                  labels=wanted, at=at, allow_unsigned=unsigned).info()
+        info = timeline.create_from(engine, open_store(engine.home, store_dir), _source(source), name=name,
+                                    labels=wanted, at=at, allow_unsigned=unsigned).info()
     if as_json:
         emit_json(dataclasses.asdict(info))
     else:
@@ -875,8 +877,10 @@ def branch(source: str, name: str, count: int, store_dir: str | None, as_json: b
     names: list[str | None] = [name] if count == 1 else [f"{name}-{i}" for i in range(1, count + 1)]
     remote = _remote()
     if remote is None:
+        from rewind.engine import timeline
+
         engine = _engine()
-        made = [child.info() for child in engine.fork(engine.get(source), _store(store_dir), names)]
+        made = [child.info() for child in timeline.fork(engine, engine.get(source), _store(store_dir), names)]
     else:
         made = [child.info() for child in remote.get(source).fork_many(names=names)]
     if as_json:

@@ -169,8 +169,10 @@ class Sandbox:
         if isinstance(from_checkpoint, Checkpoint):
             from_checkpoint = from_checkpoint.id
         if from_checkpoint is not None:
-            machine = engine.create_from(open_store(engine.home, store), from_checkpoint, name=name,
-                                         labels=labels, at=at, network=rules, allow_unsigned=allow_unsigned)
+            from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
+
+            machine = timeline.create_from(engine, open_store(engine.home, store), from_checkpoint, name=name,
+                                           labels=labels, at=at, network=rules, allow_unsigned=allow_unsigned)
         else:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,
                                     image=image, network=rules, host_trust=host_trust,
@@ -307,8 +309,11 @@ class Sandbox:
         check_context(context)
         if wait not in (False, True, "local"):
             raise InvalidArgument(f"wait must be true, false or 'local' (got {str(wait)[:40]!r})")
+        from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
+
         store = self._store
-        point = self._machine.checkpoint(store, name=name, labels=labels, history=history, context=context)
+        point = timeline.checkpoint(self._machine, store, name=name, labels=labels, history=history,
+                                    context=context)
         pause_ms = point.meta["pause_s"] * 1000
         if wait:
             self._machine.settle()
@@ -332,8 +337,10 @@ class Sandbox:
         """Put this machine back to a point (a Checkpoint, `~N`, an id prefix or a name):
         processes, memory and disk; same name and identity. The state it leaves is saved first.
         The point must be signed by a key this home trusts (`allow_unsigned`: see create)."""
+        from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
+
         ref = ref.id if isinstance(ref, Checkpoint) else ref
-        return Checkpoint.of(self._machine.restore(self._store, ref, allow_unsigned))
+        return Checkpoint.of(timeline.restore(self._machine, self._store, ref, allow_unsigned))
 
     def diff(self, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None, *, noise: bool = False,
              paths: list[str] | None = None) -> Diff:
@@ -370,9 +377,11 @@ class Sandbox:
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise InvalidArgument(f"count must be a whole number of copies, at least 1 (got {count!r})")
             names = [None] * count
-        engine = self._machine.engine
+        from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
+
         rules = NetworkRules.from_json(network) if network is not None else None
-        children = engine.fork(self._machine, self._store, list(names), labels=labels, network=rules)
+        children = timeline.fork(self._machine.engine, self._machine, self._store, list(names), labels=labels,
+                                 network=rules)
         return [Sandbox(child, self._store_path) for child in children]
 
     # ---- lifecycle ----

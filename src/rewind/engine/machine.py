@@ -40,6 +40,7 @@ from rewind.engine import (
     ramcache,
 )
 from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient, ExecDefaults
+from rewind.engine.handoff import finish_interrupted_restore
 from rewind.engine.hosttrust import HostTrust
 from rewind.engine.locks import any_free_lock, file_lock
 from rewind.engine.memfiles import blank_layer
@@ -79,14 +80,12 @@ from rewind.errors import (
 from rewind.home import Home
 from rewind.results import LOCAL_HOST, MachineInfo, PortForward
 from rewind.store.durable import replace_durably
-from rewind.store.model import DEFAULT_HISTORY
 
 # What only creating, checkpointing and restoring use is imported where it is used: a
 # command that runs something in a machine (`rewind exec`) then starts in 0.13 s, not 0.3.
 if TYPE_CHECKING:
     from rewind.engine.accel import AccelChoice
-    from rewind.engine.pending import PendingCheckpoint
-    from rewind.engine.points import Located, Point
+    from rewind.engine.points import Located
     from rewind.engine.snapshot import SavedState
     from rewind.engine.template import Template
     from rewind.image import Image
@@ -169,7 +168,7 @@ class Handoff:
     """A restore under way: the machine's QEMU was stopped and captured as checkpoint `point`
     (not yet written out, perhaps not yet journalled), and ends once that is done; the next
     QEMU is not yet saved in the record. Left in a record only by a restore that died: see
-    timeline.finish_interrupted_restore."""
+    handoff.finish_interrupted_restore."""
 
     point: str
     parent: str | None  # the machine's point before the capture
@@ -323,7 +322,7 @@ class Machine:
         ends at `deadline` (monotonic, see agent.exec_deadline) if that comes first."""
         what = f"machine {self.name!r}"
         self.reload()
-        self._finish_interrupted_restore()
+        finish_interrupted_restore(self)
         defaults = ExecDefaults.from_json(self.record.exec)
         with file_lock(self.path / "lock", shared=True, timeout=LOCK_TIMEOUT, what=what):
             self.reload()  # another handle may have restored it: a new QEMU
@@ -568,7 +567,7 @@ class Machine:
 
     def start(self, report: Report = lambda _: None) -> None:
         """Start a stopped machine (cold boot from its disk)."""
-        self._finish_interrupted_restore()
+        finish_interrupted_restore(self)
         with self.locked():
             self.reload()
             if self.status() == "running":
@@ -579,7 +578,7 @@ class Machine:
 
     def stop(self) -> None:
         """Flush the guest's disk and end its QEMU. Files survive; processes do not."""
-        self._finish_interrupted_restore()
+        finish_interrupted_restore(self)
         self._settle_before_ending()
         with self.locked():
             self.reload()
@@ -607,11 +606,6 @@ class Machine:
         if not wait_exit(r.pid, r.uuid, 10):
             kill(r.pid, r.uuid)
 
-    def _finish_interrupted_restore(self) -> None:
-        from rewind.engine.timeline import finish_interrupted_restore
-
-        finish_interrupted_restore(self)
-
     def stray_starts(self) -> list[Path]:
         """Folders of NextQemus that were never adopted: their command was killed."""
         return list(self.path.glob(f"{NEXT_PREFIX}*"))
@@ -638,37 +632,11 @@ class Machine:
 
     # ---- checkpoints ----
 
-    def checkpoint(self, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
-                   history: int = DEFAULT_HISTORY, live: bool = True, start_first: bool = False,
-                   held: bool = False, context: str | None = None) -> PendingCheckpoint:
-        """Save memory, devices and disk as of one instant into `store`; the machine runs on,
-        unless not `live`: then its guest is stopped for good, and its QEMU is ended once it
-        has written the memory out (the caller starts another in its place). `start_first`:
-        a machine is about to start from it or in its place; its commit waits a moment.
-        `held`: the guest stays stopped until its memory is written (see snapshot.capture).
-        `context`, the caller's own state, is kept in the point's meta as given.
-
-        Returns once the moment is captured; QEMU writing memory out and the commit into the
-        store go on in the background (pending.py): `settle` waits for them. The flow is
-        timeline.checkpoint."""
-        from rewind.engine import timeline
-
-        return timeline.checkpoint(self, store, name, labels, history, live, start_first, held, context)
-
     def settle(self) -> None:
         """Return once this machine's checkpoints are all in the store."""
         from rewind.engine import pending
 
         _report_lost(pending.settle(self.engine.home, self.record.uuid))
-
-    def restore(self, store: Store, ref: str, allow_unsigned: bool | None = None) -> Point:
-        """Put this machine back to checkpoint `ref` (`~N` counts back from its last point):
-        same name, identity and handle. The state it leaves is checkpointed first. A point
-        not yet stored runs from its capture here. The flow is timeline.restore; a stored
-        point must be signed by a key this home trusts (`allow_unsigned`: signers.py)."""
-        from rewind.engine import timeline
-
-        return timeline.restore(self, store, ref, allow_unsigned)
 
     def _settle_before_ending(self) -> None:
         """Before its QEMU ends, let it finish writing out the memory of its checkpoints (a
@@ -986,31 +954,12 @@ class Engine:
                 machine.take_trust(trust)
         return machine
 
-    def create_from(self, store: Store, ref: str | CheckpointManifest, name: str | None = None,
-                    labels: dict[str, str] | None = None, at: str | None = None,
-                    network: NetworkRules | None = None, allow_unsigned: bool | None = None) -> Machine:
-        """A new machine running from checkpoint `ref` (or `at`, such as `~2`, counted back from
-        it). It shares the checkpoint's memory and disk read-only and gets its own identity. A
-        stored point must be signed by a key this home trusts (`allow_unsigned`: signers.py)."""
-        from rewind.engine import timeline
-
-        return timeline.create_from(self, store, ref, name, labels, at, network, allow_unsigned)
-
     def find_point(self, store: Store, ref: str | CheckpointManifest,
                    relative_to: str | None = None) -> Located:
         """The point `ref` names, stored or still being stored here (see points.py)."""
         from rewind.engine.points import locate
 
         return locate(self.home, store, ref, relative_to)
-
-    def fork(self, source: Machine, store: Store, names: list[str | None],
-             labels: dict[str, str] | None = None, network: NetworkRules | None = None,
-             hold_source: bool = False) -> list[Machine]:
-        """Live copies of `source` from this moment, one per name (None: a generated name);
-        see timeline.fork."""
-        from rewind.engine import timeline
-
-        return timeline.fork(self, source, store, names, labels, network, hold_source)
 
     def settle(self) -> None:
         """Return once every machine's checkpoints are all in their stores (see pending.py)."""

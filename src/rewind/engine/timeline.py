@@ -29,6 +29,7 @@ from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pe
 from rewind.engine.accel import ACCELS
 from rewind.engine.agent import ExecDefaults
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
+from rewind.engine.handoff import finish_interrupted_restore, handoff_monitor, run_state
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Handoff, validate_name
 from rewind.engine.memfiles import private_runtime
@@ -45,7 +46,7 @@ from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
 log = logging.getLogger("rewind")
 
 if TYPE_CHECKING:
-    from rewind.engine.machine import Engine, Machine, MachineRecord, NextQemu
+    from rewind.engine.machine import Engine, Machine, MachineRecord
     from rewind.engine.points import Located, Point
     from rewind.engine.qmp import Monitor
     from rewind.engine.snapshot import SavedState
@@ -139,8 +140,15 @@ class PointMeta:
 def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: dict[str, str] | None = None,
                history: int = DEFAULT_HISTORY, live: bool = True, start_first: bool = False,
                held: bool = False, context: str | None = None) -> PendingCheckpoint:
-    """Save memory, devices and disk of `machine` as of one instant into `store` (see
-    Machine.checkpoint for the options). Returns once the instant is captured."""
+    """Save memory, devices and disk of `machine` as of one instant into `store`; the machine
+    runs on, unless not `live`: then its guest is stopped for good, and its QEMU is ended once
+    it has written the memory out (the caller starts another in its place). `start_first`: a
+    machine is about to start from it or in its place; its commit waits a moment. `held`: the
+    guest stays stopped until its memory is written (see snapshot.capture). `context`, the
+    caller's own state, is kept in the point's meta as given.
+
+    Returns once the instant is captured; QEMU writing memory out and the commit into the
+    store go on in the background (pending.py): `settle` waits for them."""
     with _name_held(machine.engine.home, store, name):
         machine.reload()  # a handle's record may predate a restore that another process left half done
         finish_interrupted_restore(machine)
@@ -240,7 +248,7 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
             if cap.written is None:
                 # Its memory is written out later, by its committer, through the QMP socket
                 # moved aside: the path is its successor's from now on.
-                monitor = _handoff_monitor(caches, point_id)
+                monitor = handoff_monitor(caches, point_id)
                 os.replace(machine.path / QMP_SOCKET, monitor)
         point = PendingCheckpoint(
             id=point_id, seq=time.time_ns(), machine=r.name, machine_uuid=r.uuid, store=str(store.root),
@@ -262,11 +270,6 @@ def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str,
     # The cache is trimmed by committers, off the caller's path: here it cost 0.12-0.27 s
     # per call once the cache was full (every QEMU's mappings are read to see what is in use).
     return point
-
-
-def _handoff_monitor(caches: Caches, point_id: str) -> Path:
-    """Where a restore moves its stopped QEMU's QMP socket for the point's committer."""
-    return caches.devstate / f"{point_id}.qmp"
 
 
 def _ram_changed(r: MachineRecord, written: list[tuple[int, int]] | None) -> tuple[list[list[int]] | None,
@@ -365,64 +368,13 @@ def restore(machine: Machine, store: Store, ref: str, allow_unsigned: bool | Non
                 nxt.discard()
                 raise
         try:
-            _run_state(machine, target.point.id, nxt)
+            run_state(machine, target.point.id, nxt)
         except BaseException:
             if left is not None:  # the machine runs on from the state it was in; the error stands
                 found = machine.engine.find_point(store, left.id)
-                _run_state(machine, left.id, machine.next_qemu(found.state))
+                run_state(machine, left.id, machine.next_qemu(found.state))
             raise
     return target.point
-
-
-def _run_state(machine: Machine, point_id: str, nxt: NextQemu) -> None:
-    """Run `machine` from a point's files in the QEMU `nxt` started (its old one is stopped
-    or gone), in a new generation: the guest reseeds its randomness."""
-    machine.cleanup_runtime()
-    machine.run_next(nxt)
-    r = machine.record
-    r.state, r.parent, r.handoff = "running", point_id, None
-    machine.save()
-
-
-def finish_interrupted_restore(machine: Machine) -> None:
-    """If a restore of `machine` was killed between stopping its QEMU and saving the next one
-    (its record still holds a Handoff), finish it: the machine runs on from the state it was
-    captured in. If that capture never got its journal, the stopped QEMU simply goes on."""
-    if machine.record.handoff is None and not machine.stray_starts():
-        return
-    from rewind.store import Store
-
-    with machine.locked():  # waits for a restore still under way
-        machine.reload()
-        machine.end_stray_qemu()  # a successor started but not yet recorded
-        handoff = machine.record.handoff
-        if handoff is None:
-            return
-        try:
-            state = machine.engine.find_point(Store.open(Path(handoff.store)), handoff.point).state()
-        except NotFound:
-            _resume_handed_off(machine, handoff)
-            return
-        _run_state(machine, handoff.point, machine.next_qemu(lambda: state))
-    log.warning("machine %s: a restore was interrupted; it runs on from the state it was in "
-                "(checkpoint %s)", machine.name, handoff.point[:12])
-
-
-def _resume_handed_off(machine: Machine, handoff: Handoff) -> None:
-    """The capture of an interrupted restore never got its journal: nothing will write it out
-    or end its QEMU, so that QEMU goes on where it stopped."""
-    home = machine.engine.home
-    monitor = _handoff_monitor(Caches.of(home.root, private_runtime(home.runtime)), handoff.point)
-    if monitor.exists():
-        os.replace(monitor, machine.path / QMP_SOCKET)
-
-    def undo(record: MachineRecord) -> None:
-        record.disks.append(handoff.layer)
-        record.parent, record.handoff = handoff.parent, None
-    machine.update(undo)
-    if machine.status() == "running":
-        with machine.monitor() as mon:
-            mon.cmd("cont")
 
 
 # ---- new machines from points ----

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from rewind.engine import timeline
 from rewind.engine.machine import Engine, Machine
 from rewind.guard import gittier
 from rewind.guard.classify import Kind, classify
@@ -76,7 +77,7 @@ def guarded(engine: Engine, machine: Machine, store: Store, command: str, *, ver
                           outcome.attempted)
         kind, watched = Kind.EXTERNAL, outcome  # it reaches outside: run it for real, after a checkpoint
 
-    checkpoint = machine.checkpoint(store, labels={"auto": "before-external"}).id \
+    checkpoint = timeline.checkpoint(machine, store, labels={"auto": "before-external"}).id \
         if kind is Kind.EXTERNAL else None
     with machine.agent() as agent:  # one session: recording, step, check and putting back
         point = gittier.save(agent, folder) if kind is Kind.GIT else None

@@ -89,10 +89,13 @@ def try_in_copy(engine: Engine, machine: Machine, store: Store, step: str, verif
     started = time.monotonic()
     copy_name = f"{machine.name[:40]}.try-{secrets.token_hex(3)}"
     rules = NetworkRules(internet=False) if offline else network or machine.network
+    from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
+
     # The caller waits for the copy: its memory image is made before fork returns, which is
     # quicker than a background capture (see snapshot.capture's `held`).
-    [copy] = engine.fork(machine, store, [copy_name], labels={"role": "trial-step", "trial-of": machine.name},
-                         network=rules, hold_source=True)
+    [copy] = timeline.fork(engine, machine, store, [copy_name],
+                           labels={"role": "trial-step", "trial-of": machine.name},
+                           network=rules, hold_source=True)
     try:
         ran = run_in(copy, step, cwd, timeout)
         checked = run_in(copy, verify, cwd, timeout) if ran.ok and verify is not None else None

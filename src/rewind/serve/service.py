@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rewind.engine import DEFAULT_MEMORY_MIB
+from rewind.engine import DEFAULT_MEMORY_MIB, timeline
 from rewind.engine.machine import Engine, check_ttl
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.timeline import PointMeta
@@ -313,7 +313,7 @@ class Service:
         rules = NetworkRules.from_json(network) if network is not None else None
         source = engine.get(name)
         with self.admission.admit(len(wanted), len(wanted) * source.record.memory_mib):
-            children = engine.fork(source, self.store(), wanted, labels=labels, network=rules)
+            children = timeline.fork(engine, source, self.store(), wanted, labels=labels, network=rules)
         if self.config.default_ttl:
             for child in children:
                 child.set_ttl(self.config.default_ttl, self.config.on_expiry)
