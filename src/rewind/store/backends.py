@@ -69,11 +69,3 @@ def parse_s3(spec: str) -> tuple[str, str]:
     if not bucket or not all(c.isalnum() or c in "-." for c in bucket) or ".." in prefix:
         raise InvalidArgument(f"invalid S3 store {spec!r}: use s3://bucket/prefix")
     return bucket, f"{prefix}/" if prefix else ""
-
-
-def open_objects(spec: str) -> ObjectStore:
-    """The object store a remote spec names (boto3 is loaded only here)."""
-    from rewind.store.s3 import S3Objects
-
-    bucket, prefix = parse_s3(spec)
-    return S3Objects(bucket, prefix)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rewind.errors import InvalidArgument
 from rewind.home import Home
-from rewind.store.backends import ObjectStore, open_objects, parse_s3
+from rewind.store.backends import ObjectStore, parse_s3
 from rewind.store.durable import (
     append_line,
     fsync_dir,
@@ -91,6 +91,15 @@ UPLOAD_WAIT = 600.0
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def open_objects(spec: str) -> ObjectStore:
+    """The bucket a remote spec names. boto3 is loaded only here: 140 ms to import (python -X
+    importtime), which a machine whose store is a folder never pays."""
+    from rewind.store.s3 import S3Objects
+
+    bucket, prefix = parse_s3(spec)
+    return S3Objects(bucket, prefix)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Objects in an S3-compatible bucket, through boto3 (imported only by open_objects).
+"""Objects in an S3-compatible bucket, through boto3 (imported only by cache.open_objects).
 
 Endpoint, region and credentials come from the usual AWS variables and files
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_PROFILE,
