@@ -14,7 +14,7 @@ from conftest import alive, processes_using, rewind_cli, wait_until
 
 from rewind import Home
 from rewind.engine import pending
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 
 JOURNAL_AGE_LIMIT_S = 60.0
 SETTLE_S = 30.0  # for a crashed committer's or an ended restore's leftovers to be taken up

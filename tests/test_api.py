@@ -13,7 +13,7 @@ import pytest
 
 import rewind
 import rewind.errors
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.qmp import Monitor, MonitorError
 from rewind.home import Home
 

@@ -21,7 +21,7 @@ from rewind import Busy, Home, MachineNotRunning, Sandbox
 from rewind.engine import machine as machine_module
 from rewind.engine import pending, timeline
 from rewind.engine.checkpoint import Caches, blob_digest
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
 from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, Store

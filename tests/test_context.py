@@ -34,7 +34,7 @@ def test_context_survives_export_and_import(sbx: Sandbox, tmp_path: Path) -> Non
     other = Store.open(tmp_path / "other-store", create=True)
     imported = import_checkpoint(other, out)
     assert Checkpoint.of(imported).context == PLAN
-    assert history_of(other.get("to-carry"), sbx._machine.engine.home)[0].context == PLAN
+    assert history_of(other.get("to-carry"), sbx._machine.home)[0].context == PLAN
 
 
 @pytest.mark.parametrize("bad", [b"bytes", {"a": 1}, "x" * (MAX_CONTEXT + 1)])

@@ -13,7 +13,7 @@ from invariants import unrecorded_processes
 
 from rewind import Home, Sandbox
 from rewind.engine import diskchain
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.qcow2 import Chain
 
 

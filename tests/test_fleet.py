@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from rewind import Home  # noqa: E402
 from rewind.bench.s3 import RcloneS3  # noqa: E402
-from rewind.engine.machine import Engine  # noqa: E402
+from rewind.engine.engine import Engine  # noqa: E402
 from rewind.fleet import MACHINES, Fleet, NodeLost  # noqa: E402
 
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}

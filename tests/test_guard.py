@@ -9,7 +9,7 @@ from conftest import rewind_cli
 from test_network import Listener
 
 from rewind import Home, InvalidArgument, Refused, Sandbox, classify, try_in_copy
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 
 # A server holding state only in memory: each connection gets one more than the last.
 COUNTER_SERVER = r"""

@@ -18,7 +18,7 @@ from images import make_busybox_archive
 from serving import home_env
 
 from rewind import AlreadyExists, Home, ImageError, InvalidArgument, NotFound, Sandbox
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
 from rewind.image.dockerfile import Builder, builder_for
 from rewind.signers import signing_key, trust

@@ -19,7 +19,7 @@ from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pagecapture, pending, prefault, ramcache, snapshot, timeline
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.migstream import has_configuration
 from rewind.engine.qemu import PID_FILE, process_alive, qemu_build
 from rewind.errors import NotFound
@@ -237,7 +237,7 @@ def test_a_next_qemu_left_by_a_killed_restore_is_ended(home: Home) -> None:
     sbx = Sandbox.create("orphan", home=home)
     point = sbx.checkpoint()
     machine = sbx._machine
-    located = machine.engine.find_point(Store.open(home.store), point.id)
+    located = Engine(home).find_point(Store.open(home.store), point.id)
     machine.next_qemu(located.state)  # never adopted: as a killed restore leaves it
     (folder,) = machine.stray_starts()
     pid = int((folder / PID_FILE).read_text())
@@ -315,7 +315,7 @@ def small_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 def test_short_tmpfs_is_a_clear_error_before_any_work(small_tmpfs: Path, home: Home) -> None:
     sbx = Sandbox.create("short", home=Home(root=home.root, images=home.images))
-    assert sbx._machine.engine.home.runtime == small_tmpfs
+    assert sbx._machine.home.runtime == small_tmpfs
     with pytest.raises(ramcache.NoRoom, match=r"needs up to \d+ MiB"):
         sbx.checkpoint()
     assert sbx.exec("echo alive").stdout == "alive\n", "the machine did not survive the refusal"

@@ -26,7 +26,7 @@ from rewind import (
     Sandbox,
 )
 from rewind.engine import machine as machine_module
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.memfiles import private_runtime
 from rewind.engine.qemu import process_alive
 from rewind.image import find_image, import_image

@@ -12,8 +12,8 @@ import pytest
 from images import make_busybox_archive
 
 from rewind import Home, InvalidArgument, Sandbox
+from rewind.engine.engine import Engine
 from rewind.engine.hosttrust import GUEST_BUNDLE, HostTrust
-from rewind.engine.machine import Engine
 from rewind.image.custom import build_from_image, remove_image
 
 

@@ -32,7 +32,7 @@ from rewind.errors import ImageError, InvalidArgument, NotFound, RewindError
 from rewind.store.model import DEFAULT_HISTORY
 
 if TYPE_CHECKING:
-    from rewind.engine.machine import Engine
+    from rewind.engine.engine import Engine
     from rewind.results import Checkpoint
     from rewind.sandbox import Sandbox
     from rewind.serve.client import Remote, RemoteSandbox
@@ -93,7 +93,7 @@ def progress(enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 def _engine() -> Engine:
-    from rewind.engine.machine import Engine
+    from rewind.engine.engine import Engine
 
     return Engine()
 
@@ -666,7 +666,7 @@ def _source(source: str) -> str | CheckpointManifest:
         machine = _engine().get(source)
     except (InvalidArgument, NotFound):
         return source
-    parent = pending.surviving(machine.engine.home, machine.record.parent)
+    parent = pending.surviving(machine.home, machine.record.parent)
     if parent is None:
         raise NotFound(f"machine {source!r} has no checkpoint yet")
     return parent
@@ -757,7 +757,7 @@ def diff(first: str, second: str | None, globs: tuple[str, ...], content_path: s
     """What changed: `diff NAME [REF]` from NAME's point REF (default ~0) to NAME now;
     `diff REF1 REF2` from one point to another; `diff REF` from REF's parent to REF."""
     from rewind.engine import diff as engine_diff
-    from rewind.engine.machine import Engine
+    from rewind.engine.engine import Engine
 
     remote = _remote()
     if remote is not None:  # there, FIRST names a machine

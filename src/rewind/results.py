@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rewind.errors import CommandFailed, InvalidArgument, RewindError
 from rewind.guard.verdicts import Decision
-
-if TYPE_CHECKING:
-    from rewind.engine.timeline import Point
-    from rewind.store.model import HistoryEntry
 
 
 @dataclass(frozen=True)
@@ -268,6 +265,28 @@ class GuardedResult:
                 "outcome": None if self.outcome is None else self.outcome.to_json()}
 
 
+class PointRecord(Protocol):
+    """What Checkpoint.of reads of a point: the store's history entries and the engine's
+    points have these (results.py names neither, so it stays below both)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def machine(self) -> str: ...
+    @property
+    def parent(self) -> str | None: ...
+    @property
+    def created(self) -> float: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def own_bytes(self) -> int | None: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A saved point of a machine. `ref` is how a history listing names it (`~0`, `~1`, ...)."""
@@ -291,7 +310,7 @@ class Checkpoint:
     uploaded: bool | None = None
 
     @classmethod
-    def of(cls, entry: HistoryEntry | Point, ref: str = "~0", signer: str | None = None) -> Checkpoint:
+    def of(cls, entry: PointRecord, ref: str = "~0", signer: str | None = None) -> Checkpoint:
         return cls(id=entry.id, name=entry.name, machine=entry.machine, parent=entry.parent,
                    created=entry.created, labels=dict(entry.labels), own_bytes=entry.own_bytes, ref=ref,
                    context=entry.meta.get("context"), signer=signer)

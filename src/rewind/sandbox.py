@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import exec_deadline
-from rewind.engine.machine import Engine, Machine, check_ttl
+from rewind.engine.engine import Engine
+from rewind.engine.machine import Machine, check_ttl
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument
 from rewind.folders import packed, unpacked
@@ -120,6 +121,7 @@ class Sandbox:
 
     def __init__(self, machine: Machine, store: str | os.PathLike[str] | None = None) -> None:
         self._machine = machine
+        self._engine = Engine(machine.home)  # the machines of its home: copies, diffs, the guard
         self._store_path = store
         self.files = Files(machine)
         self.network = Network(machine)
@@ -127,7 +129,7 @@ class Sandbox:
 
     @property
     def _store(self) -> Store:
-        return open_store(self._machine.engine.home, self._store_path)
+        return open_store(self._machine.home, self._store_path)
 
     # ---- finding and creating ----
 
@@ -281,7 +283,7 @@ class Sandbox:
 
         if not isinstance(cmd, str):
             raise InvalidArgument("a guarded command must be a shell command string")
-        return guarded(self._machine.engine, self._machine, self._store, cmd, verify=verify,
+        return guarded(self._engine, self._machine, self._store, cmd, verify=verify,
                        allow_external=allow_external, cwd=cwd, timeout=timeout, offline=offline,
                        rules=find_rules() if rules is None else rules)
 
@@ -327,7 +329,7 @@ class Sandbox:
         """This machine's points, newest first: its last point as ~0, then its ancestors."""
         from rewind.engine import pending
 
-        engine = self._machine.engine
+        engine = self._engine
         engine.settle()
         self._machine.reload()
         parent = pending.surviving(engine.home, self._machine.record.parent)
@@ -351,7 +353,7 @@ class Sandbox:
         from rewind.engine.diff import diff
 
         self._machine.reload()
-        return diff(self._machine.engine, self._store, _ref(a), self._machine if b is None else _ref(b),
+        return diff(self._engine, self._store, _ref(a), self._machine if b is None else _ref(b),
                     relative_to=self._machine.record.parent, include_noise=noise, globs=paths)
 
     def diff_content(self, path: str, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None) -> str:
@@ -359,7 +361,7 @@ class Sandbox:
         from rewind.engine.diff import content
 
         self._machine.reload()
-        return content(self._machine.engine, self._store, _ref(a), self._machine if b is None else _ref(b),
+        return content(self._engine, self._store, _ref(a), self._machine if b is None else _ref(b),
                        path, relative_to=self._machine.record.parent)
 
     def fork(self, name: str | None = None, labels: dict[str, str] | None = None,
@@ -380,7 +382,7 @@ class Sandbox:
         from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
 
         rules = NetworkRules.from_json(network) if network is not None else None
-        children = timeline.fork(self._machine.engine, self._machine, self._store, list(names), labels=labels,
+        children = timeline.fork(self._engine, self._machine, self._store, list(names), labels=labels,
                                  network=rules)
         return [Sandbox(child, self._store_path) for child in children]
 
@@ -413,8 +415,7 @@ def try_in_copy(sbx: Sandbox | RemoteSandbox, step: str, verify: str | None = No
     here). A machine reached through Sandbox.connect runs it on its server."""
     if not isinstance(sbx, Sandbox):
         return sbx.try_in_copy(step, verify, offline=offline, cwd=cwd, timeout=timeout, diff=diff)
-    machine = sbx._machine
-    return _try_in_copy(machine.engine, machine, sbx._store, step, verify, offline=offline, cwd=cwd,
+    return _try_in_copy(sbx._engine, sbx._machine, sbx._store, step, verify, offline=offline, cwd=cwd,
                         timeout=timeout, diff=diff)
 
 

@@ -19,7 +19,7 @@ from rewind.bench.model import Metric, Report
 from rewind.bench.ours import Progress
 from rewind.bench.peers import PEERS, run_peers
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.engine.qemu import qemu_build
 from rewind.home import Home
 

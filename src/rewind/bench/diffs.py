@@ -68,7 +68,7 @@ def flush_cost(sbx: Sandbox, report: Report, rounds: int, progress: Progress) ->
 def try_cost(sbx: Sandbox, report: Report, rounds: int, progress: Progress) -> None:
     """A failed try of a 1 MiB step, with the copy's diff (the default) and without."""
     progress("diff: what the copy's diff adds to a try")
-    engine, store = sbx._machine.engine, sbx._store
+    engine, store = sbx._engine, sbx._store
 
     def attempt(with_diff: bool) -> None:
         try_in_copy(engine, sbx._machine, store, "head -c 1M /dev/urandom > /root/t && false", None,

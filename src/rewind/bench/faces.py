@@ -68,7 +68,7 @@ def run_faces(home: Home, report: Report, rounds: int, quick: bool, progress: Pr
 
         def settle() -> None:
             """Between calls: a restore's background commit is not the next call's cost."""
-            sbx._machine.engine.settle()
+            sbx._engine.settle()
         light, heavy = (10, 1) if quick else (40, rounds)
         with serve_process(home, home.root / "bench-serve.log", ["--no-auth"]) as url, \
                 Sandbox.connect(url) as remote, _mcp(home) as mcp:

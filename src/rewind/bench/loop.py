@@ -16,7 +16,7 @@ from pathlib import Path
 from rewind.bench.model import Report
 from rewind.bench.ours import PROJECT, Progress, close_home, timed
 from rewind.engine import pending
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.home import Home
 from rewind.sandbox import Sandbox, try_in_copy
 
@@ -96,7 +96,7 @@ def run_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
             times["guarded_git_s"] = timed(lambda n=i: sbx.guarded(f"echo {n} >> notes.txt", cwd=PROJECT))
             result.rounds.append(times)
         progress("agent loop: waiting for the background work to finish")
-        sbx._machine.engine.settle()
+        sbx._engine.settle()
     finally:
         result.shm_peak_mib = shm.stop()
         sbx.delete()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from rewind.bench.model import Report
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.sandbox import Sandbox
@@ -80,7 +80,7 @@ def host_memory_mib(machines: list[Sandbox]) -> float:
     machine still on the template): that one is there without them."""
     kib = 0
     names = {sbx._machine.name for sbx in machines}
-    others = {m.record.ram for m in machines[0]._machine.engine.list()
+    others = {m.record.ram for m in machines[0]._engine.list()
               if m.name not in names and m.status() == "running"}
     images = set()
     for sbx in machines:
@@ -192,7 +192,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
     for i in range(heavy):
         restores.append(timed(lambda: (sbx.restore("~1"), sbx.exec(["true"]))))
         sbx.exec(f"kill {stamper.stdout.strip()} 2>/dev/null || true")  # back if ~1 had it
-        sbx._machine.engine.settle()
+        sbx._engine.settle()
         started = time.perf_counter()
         made = Sandbox.create(f"from-{i}", home=home, from_checkpoint=first.id)
         made.exec(["true"])
@@ -209,7 +209,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
         child = sbx.fork(f"child-{i}")
         child.exec(["true"])
         branch_times.append(time.perf_counter() - started)
-        sbx._machine.engine.settle()
+        sbx._engine.settle()
         branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"] * 1000)
         child.delete()
     report.add("branch_to_child_exec_s", "branch until the child's first exec", "s", branch_times, target=1.0)
@@ -265,7 +265,7 @@ def memory_curve(sbx: Sandbox, touched: list[int], report: Report, progress: Pro
     memory = sbx.info().memory_mib
     progress(f"checkpoint cost against memory in use ({', '.join(map(str, touched))} MiB, "
              f"{memory} MiB machine)")
-    store = Store.open(sbx._machine.engine.home.store)
+    store = Store.open(sbx._machine.home.store)
     points = []
     for mib in touched:
         touch_memory(sbx, mib)

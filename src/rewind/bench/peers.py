@@ -216,7 +216,7 @@ def run_peers(sbx: Sandbox, report: Report, touched: list[int], rounds: int, pro
         report.metric(size_key).peers[engine] = [size_mib]
 
     progress("peer: plain QEMU (stop, migrate to a file, qemu-img convert, -incoming)")
-    peer = PlainQemu(sbx._machine.engine.home)
+    peer = PlainQemu(sbx._machine.home)
     try:
         points = []
         for mib in touched:

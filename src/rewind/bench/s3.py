@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rewind.bench.model import Report
 from rewind.bench.ours import Progress, close_home, timed
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.signers import signing_key, trust

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rewind.bench.model import Report
 from rewind.bench.ours import Progress, du_mib, timed
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.home import Home
 from rewind.image.custom import build_from_image, remove_image
 from rewind.image.dockerfile import Builder

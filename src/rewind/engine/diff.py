@@ -19,9 +19,10 @@ from pathlib import Path
 
 from rewind.engine import diskchain, gueststate, pending
 from rewind.engine.checkpoint import Caches, layer_path
+from rewind.engine.engine import Engine
 from rewind.engine.filediff import Disk, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.locks import file_lock
-from rewind.engine.machine import LOCK_TIMEOUT, Engine, Machine
+from rewind.engine.machine import LOCK_TIMEOUT, Machine
 from rewind.engine.points import Point
 from rewind.errors import InvalidArgument, RewindError
 from rewind.results import Diff, PackageChange

@@ -56,10 +56,10 @@ def finish_interrupted_restore(machine: Machine) -> None:
         if handoff is None:
             return
         try:
-            state = locate(machine.engine.home, Store.open(Path(handoff.store)), handoff.point).state()
+            state = locate(machine.home, Store.open(Path(handoff.store)), handoff.point).state()
         except NotFound:
-            _resume_handed_off(machine, handoff, Caches.of(machine.engine.home.root,
-                                                           private_runtime(machine.engine.home.runtime)))
+            _resume_handed_off(machine, handoff, Caches.of(machine.home.root,
+                                                           private_runtime(machine.home.runtime)))
             return
         run_state(machine, handoff.point, machine.next_qemu(lambda: state))
     log.warning("machine %s: a restore was interrupted; it runs on from the state it was in "

@@ -36,6 +36,7 @@ from rewind.engine.memfiles import private_runtime
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
 from rewind.engine.pending import PendingCheckpoint
+from rewind.engine.points import locate
 from rewind.engine.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node, qemu_build
 from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
 from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
@@ -46,7 +47,8 @@ from rewind.store.model import DEFAULT_HISTORY, is_int, validate_checkpoint_name
 log = logging.getLogger("rewind")
 
 if TYPE_CHECKING:
-    from rewind.engine.machine import Engine, Machine, MachineRecord
+    from rewind.engine.engine import Engine
+    from rewind.engine.machine import Machine, MachineRecord
     from rewind.engine.points import Located, Point
     from rewind.engine.qmp import Monitor
     from rewind.engine.snapshot import SavedState
@@ -149,7 +151,7 @@ def checkpoint(machine: Machine, store: Store, name: str | None = None, labels: 
 
     Returns once the instant is captured; QEMU writing memory out and the commit into the
     store go on in the background (pending.py): `settle` waits for them."""
-    with _name_held(machine.engine.home, store, name):
+    with _name_held(machine.home, store, name):
         machine.reload()  # a handle's record may predate a restore that another process left half done
         finish_interrupted_restore(machine)
         # Shared, as a session's: a restore, stop or delete (exclusive) waits for the capture.
@@ -196,7 +198,7 @@ def _capture_locked(machine: Machine, store: Store, name: str | None, labels: di
 
 def _capture(machine: Machine, store: Store, name: str | None, labels: dict[str, str] | None, history: int,
              live: bool, start_first: bool, held: bool, context: str | None) -> PendingCheckpoint:
-    home = machine.engine.home
+    home = machine.home
     caches = Caches.of(home.root, private_runtime(home.runtime))
     for folder in (caches.ram, caches.devstate, caches.layers):
         folder.mkdir(parents=True, exist_ok=True)
@@ -339,8 +341,8 @@ def restore(machine: Machine, store: Store, ref: str, allow_unsigned: bool | Non
     finish_interrupted_restore(machine)
     if ref.startswith("~") and machine.record.parent is None:
         raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
-    target = machine.engine.find_point(store, ref, machine.record.parent if ref.startswith("~") else None)
-    target.check_signed(machine.engine.home, store, "restore", allow_unsigned)  # before it is left
+    target = locate(machine.home, store, ref, machine.record.parent if ref.startswith("~") else None)
+    target.check_signed(machine.home, store, "restore", allow_unsigned)  # before it is left
     meta = PointMeta.from_json(target.point.id, target.point.meta)
     qemu_build().check_board(meta.board, f"checkpoint {target.point.id[:12]}")  # before it is left
     if (meta.memory_mib, meta.cpus) != (machine.record.memory_mib, machine.record.cpus):
@@ -371,7 +373,7 @@ def restore(machine: Machine, store: Store, ref: str, allow_unsigned: bool | Non
             run_state(machine, target.point.id, nxt)
         except BaseException:
             if left is not None:  # the machine runs on from the state it was in; the error stands
-                found = machine.engine.find_point(store, left.id)
+                found = locate(machine.home, store, left.id)
                 run_state(machine, left.id, machine.next_qemu(found.state))
             raise
     return target.point

@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rewind.engine.machine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.results import Checkpoint, Command, ExecResult, MachineInfo

@@ -23,7 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 from rewind.engine import timeline
-from rewind.engine.machine import Engine, Machine
+from rewind.engine.engine import Engine
+from rewind.engine.machine import Machine
 from rewind.guard import gittier
 from rewind.guard.classify import Kind, classify
 from rewind.guard.trial import try_in_copy

@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING
 
 from rewind.engine.agent import exec_deadline
-from rewind.engine.machine import Engine, Machine
+from rewind.engine.engine import Engine
+from rewind.engine.machine import Machine
 from rewind.engine.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
 from rewind.results import TRY_TIMEOUT, Outcome, StepRun

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-from rewind.engine.machine import Engine
+from rewind.engine.engine import Engine
 from rewind.errors import InvalidArgument, OverBudget
 from rewind.home import Home
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from rewind.errors import RewindError
 
 if TYPE_CHECKING:
-    from rewind.serve.service import Service
+    from rewind.home import Home
     from rewind.store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,8 +35,20 @@ STORE_SIZE_EVERY_S = 60.0  # walking a big store is slow: its size is read at mo
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class Observed(Protocol):
+    """What the metrics read of the service they count (serve/service.py's Service)."""
+
+    metrics: Metrics
+    home: Home
+    store_path: str | os.PathLike[str] | None
+
+    def list(self) -> list[dict[str, Any]]: ...
+
+    def store(self) -> Store: ...
+
+
 class Metrics:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Observed) -> None:
         self.registry = CollectorRegistry()
         self.operations = Counter("rewind_operations", "Operations, by kind and outcome "
                                   "(ok or the error class)", ["kind", "outcome"], registry=self.registry)
@@ -65,7 +77,7 @@ def measured(kind: str) -> Callable[[F], F]:
     """Count and time a Service method as an operation of `kind`."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
-        def run(self: Service, *args: Any, **kwargs: Any) -> Any:
+        def run(self: Observed, *args: Any, **kwargs: Any) -> Any:
             with self.metrics.measure(kind):
                 return method(self, *args, **kwargs)
         return run  # type: ignore[return-value]
@@ -75,7 +87,7 @@ def measured(kind: str) -> Callable[[F], F]:
 class _HostState(Collector):
     """Read on each scrape: machines by state, the store's size, memory files on tmpfs."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Observed) -> None:
         self.service = service
         self._store_size: tuple[float, int] | None = None  # (when read, bytes)
         self._store: Store | None = None

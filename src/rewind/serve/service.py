@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rewind.engine import DEFAULT_MEMORY_MIB, timeline
-from rewind.engine.machine import Engine, check_ttl
+from rewind.engine.engine import Engine
+from rewind.engine.machine import check_ttl
 from rewind.engine.netrules import NetworkRules
 from rewind.engine.timeline import PointMeta
 from rewind.errors import InvalidArgument
