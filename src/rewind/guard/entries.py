@@ -190,16 +190,19 @@ class VersionBump:
     prints the version; given one, or a bump, it writes it into the manifest. npm and yarn
     then also commit and tag, unless one of `no_tag` says not to: a tag is not something the
     git tier takes back, so that is a fork. `then`: what else a bump does (uv locks and syncs
-    the environment), instead of only the manifest."""
+    the environment), instead of only the manifest. `asks`: given no version, it asks for one
+    and writes it (yarn 1) rather than printing the current one."""
 
     bump_flags: frozenset[str] = frozenset()
     no_tag: frozenset[str] | None = None  # None: it never commits or tags
     then: Entry | None = None
+    asks: bool = False
 
     def __call__(self, call: Call) -> list[Rule]:
         texts = [word.text for word in call.args]
         flags = {(t or "").partition("=")[0] for t in texts}
-        if not (flags & self.bump_flags or any(t is None or not t.startswith("-") for t in texts)):
+        bumps = self.asks or flags & self.bump_flags or any(t is None or not t.startswith("-") for t in texts)
+        if not bumps:
             return [READS]
         if self.then is not None:
             return self.then(call)

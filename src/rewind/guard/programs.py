@@ -397,6 +397,7 @@ LAUNCHERS = Family({
 # ---------------------------------------------------------------------------------------------
 # Packages, and the registries of every ecosystem they are published to
 
+_NPM_VERSION = VersionBump(no_tag=word_set("--no-git-tag-version"))
 _NPM_LAUNCH = {"exec": _NPX, "x": _NPX, "dlx": _NPX}
 _NPM = verbs(
     "ls list ll la view info show v outdated search help whoami ping explain why fund root prefix bin doctor",
@@ -408,23 +409,34 @@ _NPM = verbs(
     audit=verbs("", default=READS, bare=READS, fix=PACKAGES),
     config=verbs("get list ls", default=SETTINGS),
     pkg=verbs("get", default=MANIFEST),
-    version=VersionBump(no_tag=word_set("--no-git-tag-version")),
+    version=_NPM_VERSION,  # pnpm's too (its own since pnpm 11, npm's before)
     **_NPM_LAUNCH,
 )
 _PIP = package_manager("list show freeze check search help index inspect debug hash",
                        config=verbs("list get debug", default=SETTINGS),
                        cache=verbs("list dir info", default=SETTINGS))
+# yarn 1 bumps with flags (--patch, --new-version X), or asks for the version, then commits and
+# tags as npm does; yarn 2 and later take a strategy (yarn version patch) and only write manifests
+_YARN_VERSION = Subcommands(
+    {"check": Given(word_set("-i --interactive"), FOLDER), "apply": MANIFEST},
+    default=MANIFEST,
+    bare=VersionBump(no_tag=word_set("--no-git-tag-version"), asks=True),
+    value_flags=word_set("--new-version --preid --message -m"),
+)
 _PUB = verbs("deps outdated token", default=PACKAGES, publish=unless_dry_run(PUBLISHES, "--dry-run -n"),
              lish=unless_dry_run(PUBLISHES, "--dry-run -n"))
 
 PACKAGES_AND_REGISTRIES = Family({
     "pip": _PIP,
     **each("npm pnpm", _NPM),
-    "yarn": Subcommands(_NPM.verbs, default=RUNS_CODE, bare=PACKAGES),  # yarn alone installs
+    "yarn": Subcommands({**_NPM.verbs, "version": _YARN_VERSION}, default=RUNS_CODE,
+                        bare=PACKAGES),  # yarn alone installs
     "bun": Evaluates("bun", Options(short_values="epr",
                                     long_values=word_set("--eval --print --preload --cwd"),
                                     aliases={"--eval": "-e", "--print": "-p", "--preload": "-r"}),
-                     verbs("pm --revision", default=RUNS_CODE, publish=unless_dry_run(PUBLISHES), x=_NPX,
+                     verbs("--revision", default=RUNS_CODE,
+                           pm=Subcommands({"version": _NPM_VERSION, "pkg": verbs("get", default=MANIFEST)},
+                                          default=READS), publish=unless_dry_run(PUBLISHES), x=_NPX,
                            **each("install i add a remove rm update link unlink", PACKAGES)),
                      dir_flags=("--cwd",)),
     "deno": verbs("check info doc types lint-rules completions --version", default=RUNS_CODE, eval=deno_eval,
