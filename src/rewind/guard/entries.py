@@ -45,6 +45,14 @@ SCHEDULES = Rule(Kind.FORK, "changes scheduled jobs")
 
 
 @dataclass(frozen=True)
+class Family:
+    """Programs of one kind, and where what their entries say comes from."""
+
+    programs: dict[str, Entry]
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Writer:
     """A program whose effect is changing the files it names: its operands (which ones:
     `written`) and the values of `target_flags`, as in `cp -t DIR`."""
@@ -164,6 +172,30 @@ class Topics:
 
 def topics(commands: Mapping[str, Entry], read_topics: str, read_actions: str, default: Entry) -> Topics:
     return Topics(commands, word_set(read_topics), word_set(read_actions), default)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """A CLI whose commands are RESOURCE... ACTION (stripe customers list, neonctl branches
+    create): the command only reads when one of the `depth` words after its first is in
+    `actions` (or starts with one of `prefixes`: tccli's DescribeInstances), and goes to
+    `default` otherwise. Only the words before the first flag count, so that a flag's value
+    (--name list) is never taken for an action."""
+
+    actions: frozenset[str]
+    default: Entry
+    depth: int = 1
+    prefixes: tuple[str, ...] = ()
+
+    def __call__(self, call: Call) -> list[Rule]:
+        words: list[str] = []
+        for word in call.args:
+            if word.text is None or word.text.startswith("-"):
+                break
+            words.append(word.text)
+        after = words[1:1 + self.depth]
+        reads = self.actions.intersection(after) or any(word.startswith(self.prefixes) for word in after)
+        return (READS if reads else self.default)(call)
 
 
 @dataclass(frozen=True)

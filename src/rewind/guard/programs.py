@@ -9,8 +9,8 @@ A family's `sources` are the reference pages its subcommand lists were taken fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from rewind.errors import InvalidArgument
+from rewind.guard import tooltable
 from rewind.guard.entries import (
     ANOTHER_MACHINE,
     EDITOR,
@@ -32,6 +32,7 @@ from rewind.guard.entries import (
     SHELL_STATE,
     SYSTEM,
     Entry,
+    Family,
     Given,
     Subcommands,
     VersionBump,
@@ -103,15 +104,6 @@ from rewind.guard.handlers import (
 )
 from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import HERE, Options
-
-
-@dataclass(frozen=True)
-class Family:
-    """Programs of one kind, and where what their entries say comes from."""
-
-    programs: dict[str, Entry]
-    sources: tuple[str, ...] = ()
-
 
 # ---------------------------------------------------------------------------------------------
 # Verdicts and option sets several families use
@@ -907,14 +899,26 @@ PLATFORMS = Family({
 
 
 # ---------------------------------------------------------------------------------------------
-# The table
+# The table: the families above, and those of hosted services' tools in tools.toml
 
 FAMILIES: dict[str, Family] = {
     "shell": SHELL, "wrappers": WRAPPERS, "files": FILES, "system": SYSTEM_TOOLS, "git and forges": FORGES,
     "launchers": LAUNCHERS, "packages and registries": PACKAGES_AND_REGISTRIES, "formatters": FORMATTERS,
     "network": NETWORK, "chat and mail": CHAT_AND_MAIL, "databases": DATABASES, "containers": CONTAINERS,
     "infrastructure": INFRASTRUCTURE, "clouds": CLOUDS, "platforms": PLATFORMS,
+    **tooltable.load(),
 }
 
-PROGRAMS: dict[str, Entry] = {name: entry for family in FAMILIES.values()
-                               for name, entry in family.programs.items()}
+
+def _merged(families: dict[str, Family]) -> dict[str, Entry]:
+    """Every family's programs; a program in two families (a row of tools.toml the families
+    above have too) is an error, so that no row is silently shadowed."""
+    programs: dict[str, Entry] = {}
+    for name, family in families.items():
+        if twice := programs.keys() & family.programs.keys():
+            raise InvalidArgument(f"{', '.join(sorted(twice))}: in the family {name!r} and in another")
+        programs.update(family.programs)
+    return programs
+
+
+PROGRAMS: dict[str, Entry] = _merged(FAMILIES)
