@@ -152,9 +152,9 @@ def _commands(row: dict, inherited: _Inherited, where: str, topics: bool = False
 
 def _own(row: dict, inherited: _Inherited, where: str) -> _Inherited:
     why = _text(row, "why", where) or inherited.why
-    external = row.get("default", "external") == "external"
+    local = row.get("default") == "fork"  # then `why` says what the default does here, not outside
     actions = word_set(_text(row, "actions", where)) if "actions" in row else inherited.actions
-    return _Inherited(why, actions, why if external else inherited.remote_why)
+    return _Inherited(why, actions, inherited.remote_why if local else why)
 
 
 def _verbs(row: dict, remote: Rule, where: str) -> dict[str, Entry]:
