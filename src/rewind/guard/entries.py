@@ -177,7 +177,8 @@ def topics(commands: Mapping[str, Entry], read_topics: str, read_actions: str, d
 @dataclass(frozen=True)
 class Resources:
     """A CLI whose commands are RESOURCE... ACTION (stripe customers list, neonctl branches
-    create): the command only reads when one of the `depth` words after its first is in
+    create): the command only reads when one of the `depth` words after the first `named`
+    (the resource's name; 0 when a subcommand already named it: velero backup get) is in
     `actions` (or starts with one of `prefixes`: tccli's DescribeInstances), and goes to
     `default` otherwise. Only the words before the first flag count, so that a flag's value
     (--name list) is never taken for an action."""
@@ -186,6 +187,7 @@ class Resources:
     default: Entry
     depth: int = 1
     prefixes: tuple[str, ...] = ()
+    named: int = 1
 
     def __call__(self, call: Call) -> list[Rule]:
         words: list[str] = []
@@ -193,7 +195,7 @@ class Resources:
             if word.text is None or word.text.startswith("-"):
                 break
             words.append(word.text)
-        after = words[1:1 + self.depth]
+        after = words[self.named:self.named + self.depth]
         reads = self.actions.intersection(after) or any(word.startswith(self.prefixes) for word in after)
         return (READS if reads else self.default)(call)
 

@@ -126,9 +126,11 @@ def _program(name: str, row: dict, inherited: _Inherited) -> tuple[list[str], En
     return names, entry, source
 
 
-def _commands(row: dict, inherited: _Inherited, where: str, topics: bool = False) -> Entry:
+def _commands(row: dict, inherited: _Inherited, where: str, topics: bool = False,
+              group: bool = False) -> Entry:
     """The entry of a program or of one of its groups (supabase db): its own verbs, then
-    RESOURCE ACTION commands (TOPIC:ACTION with style = "topics") read by their action."""
+    RESOURCE ACTION commands (TOPIC:ACTION with style = "topics") read by their action; in a
+    group, the group may be the resource (velero backup get)."""
     mine = _own(row, inherited, where)
     # an action ending in * names a prefix (Describe*: tccli cvm DescribeInstances)
     actions = frozenset(action for action in mine.actions if not action.endswith("*"))
@@ -136,18 +138,19 @@ def _commands(row: dict, inherited: _Inherited, where: str, topics: bool = False
     default = _verdict(row.get("default", "external"), mine.why, f"{where}: default")
     verbs = _verbs(row, Rule(Kind.EXTERNAL, mine.remote_why), where)
     groups = row.get("groups", {})
-    if not isinstance(groups, dict) or not all(isinstance(group, dict) for group in groups.values()):
+    if not isinstance(groups, dict) or not all(isinstance(table, dict) for table in groups.values()):
         raise InvalidArgument(f"{DATA}: {where}: groups must be tables, one a verb")
-    for verb, group in groups.items():
-        _check_keys(group, _GROUP_KEYS, f"{where} {verb}")
-        verbs[verb] = _commands(group, mine, f"{where} {verb}")
+    for verb, table in groups.items():
+        _check_keys(table, _GROUP_KEYS, f"{where} {verb}")
+        verbs[verb] = _commands(table, mine, f"{where} {verb}", group=True)
     if topics:
         return Topics(verbs, frozenset(), actions, default)
     depth = row.get("depth", 1)
     if not (isinstance(depth, int) and depth >= 1):
         raise InvalidArgument(f"{DATA}: {where}: depth must be a whole number from 1")
     bare = _verdict(row["bare"], mine.why, f"{where}: bare") if "bare" in row else None
-    return Subcommands(verbs, default=Resources(actions, default, depth, prefixes), bare=bare)
+    resources = Resources(actions, default, depth, prefixes, named=0 if group else 1)
+    return Subcommands(verbs, default=resources, bare=bare)
 
 
 def _own(row: dict, inherited: _Inherited, where: str) -> _Inherited:
