@@ -3,8 +3,10 @@
 Every entry is called with one program's run (a Call) and returns the verdicts that apply to
 it; the kinds of entry are in rewind.guard.entries (a Rule, Writer, Subcommands, Wrapper,
 Rewrites, Topics, Given) and rewind.guard.handlers (programs a table cannot describe). To
-teach the guard a program, add it to its family here, with a test in tests/test_programs.py.
-A family's `sources` are the reference pages its subcommand lists were taken from.
+teach the guard a program, add it to its family here, with a test in tests/test_programs.py;
+a hosted service's command-line tool (stripe, supabase, skopeo...) goes in tools.toml instead
+(rewind.guard.tooltable). A family's `sources` are the reference pages its subcommand lists
+were taken from.
 """
 
 from __future__ import annotations

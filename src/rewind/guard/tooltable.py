@@ -47,7 +47,10 @@ class _RunsCommand:
     def __call__(self, call: Call) -> list[Rule]:
         texts = [word.text for word in call.args]
         command = call.shifted(call.args[texts.index("--") + 1:]) if "--" in texts else call
-        return Wrapper(bare=RUNS_CODE)(command)
+        return _AFTER_FLAGS(command)
+
+
+_AFTER_FLAGS = Wrapper(bare=RUNS_CODE)
 
 
 # The verb lists a program or group may have, and their verdict (None: the program's own, external)
@@ -94,10 +97,10 @@ def _refuse_twice(families: dict[str, Family]) -> None:
 def _family(name: str, table: Any) -> Family:
     if not isinstance(table, dict):
         raise InvalidArgument(f"{DATA}: {name}: a family must be a table of programs")
-    settings = {key: value for key, value in table.items() if not isinstance(value, dict)}
-    _check_keys(settings, _FAMILY_KEYS, name)
-    why = _text(settings, "why", name) or _WHY
-    inherited = _Inherited(why, word_set(_text(settings, "actions", name) or _ACTIONS), why)
+    fields = {key: value for key, value in table.items() if not isinstance(value, dict)}
+    _check_keys(fields, _FAMILY_KEYS, name)
+    why = _text(fields, "why", name) or _WHY
+    inherited = _Inherited(why, word_set(_text(fields, "actions", name) or _ACTIONS), why)
     programs: dict[str, Entry] = {}
     sources: list[str] = []
     for program, row in table.items():
@@ -117,10 +120,10 @@ def _program(name: str, row: dict, inherited: _Inherited) -> tuple[list[str], En
     if style not in ("verbs", "topics"):
         raise InvalidArgument(f"{DATA}: {name}: style must be verbs or topics, not {style!r}")
     names = [name, *_text(row, "names", name).split()]
-    mine = _own(row, inherited, name)
     entry = _commands(row, inherited, name, topics=style == "topics")
     if remote_with := _text(row, "remote_with", name):  # octodns-sync --doit
-        entry = Given(word_set(remote_with), Rule(Kind.EXTERNAL, mine.remote_why), otherwise=entry)
+        remote = Rule(Kind.EXTERNAL, _own(row, inherited, name).remote_why)
+        entry = Given(word_set(remote_with), remote, otherwise=entry)
     if reads_with := _text(row, "reads_with", name):  # certbot renew --dry-run
         entry = Given(word_set(reads_with), READS, otherwise=entry)
     return names, entry, source
@@ -139,7 +142,7 @@ def _commands(row: dict, inherited: _Inherited, where: str, topics: bool = False
     verbs = _verbs(row, Rule(Kind.EXTERNAL, mine.remote_why), where)
     groups = row.get("groups", {})
     if not isinstance(groups, dict) or not all(isinstance(table, dict) for table in groups.values()):
-        raise InvalidArgument(f"{DATA}: {where}: groups must be tables, one a verb")
+        raise InvalidArgument(f"{DATA}: {where}: groups must be tables, one per verb")
     for verb, table in groups.items():
         _check_keys(table, _GROUP_KEYS, f"{where} {verb}")
         verbs[verb] = _commands(table, mine, f"{where} {verb}", group=True)
