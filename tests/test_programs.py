@@ -7,12 +7,16 @@ label over these cases.
 
 from __future__ import annotations
 
+import re
+import tomllib
 from collections import Counter
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 
 from rewind.errors import InvalidArgument
+from rewind.guard import tooltable
 from rewind.guard.classify import Kind, classify
 from rewind.guard.programs import FAMILIES
 from rewind.guard.userrules import NO_RULES, find_rules, read_rules
@@ -51,6 +55,38 @@ CASES: dict[str, list[tuple[Kind, str]]] = {
         (F, "corepack pnpm install"),
         (E, "./gradlew publish"),
         (E, "./mvnw -B deploy"),
+    ],
+    # A bump that only writes the manifest is git; one that also commits and tags (npm, pnpm, bun
+    # and yarn 1 by default) is a fork, since the git tier puts back branches, not tags
+    "version bumps": [
+        (N, "npm version"),
+        (F, "npm version patch"),
+        (G, "npm version patch --no-git-tag-version"),
+        (G, "npm pkg set scripts.test=vitest"),
+        (N, "npm pkg get version"),
+        (F, "pnpm version minor"),
+        (G, "pnpm version 2.0.0 --no-git-tag-version"),
+        (G, "pnpm pkg delete scripts.x"),
+        (F, "yarn version --patch"),
+        (F, "yarn version --new-version 1.2.0"),
+        (F, "yarn version"),
+        (G, "yarn version --minor --no-git-tag-version"),
+        (G, "yarn version patch"),
+        (G, "yarn version major --deferred"),
+        (N, "yarn version check"),
+        (G, "yarn version check --interactive"),
+        (G, "yarn version apply --all"),
+        (N, "bun pm version"),
+        (F, "bun pm version patch"),
+        (G, "bun pm version patch --no-git-tag-version"),
+        (G, "bun pm pkg set name=x"),
+        (N, "bun pm pkg get name"),
+        (G, "poetry version minor"),
+        (N, "poetry version --short"),
+        (G, "hatch version minor"),
+        (N, "hatch version"),
+        (G, "cargo set-version 1.2.0"),
+        (F, "cd /tmp && npm version patch --no-git-tag-version"),
     ],
     "formatters": [
         (G, "black src tests"),
@@ -495,3 +531,153 @@ def test_bad_rules_files_are_refused_in_one_line(tmp_path: Path, text: str, mess
         read_rules(file)
     assert message in str(caught.value) and str(caught.value).startswith(str(file))
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table of hosted services' tools (src/rewind/guard/tools.toml)
+
+def test_tool_table_loads_and_every_row_names_its_reference() -> None:
+    rows = tomllib.loads(files("rewind.guard").joinpath(tooltable.DATA).read_text())
+    programs = [row for family in rows.values() for row in family.values() if isinstance(row, dict)]
+    assert all(row["source"].startswith("https://") for row in programs)
+    tool_families = tooltable.load()
+    assert sum(len(family.programs) for family in tool_families.values()) >= 200
+    assert all(FAMILIES[name] == family for name, family in tool_families.items())
+
+
+def test_tool_table_names_no_program_of_the_hand_written_families() -> None:
+    tools = {name for family in tooltable.load().values() for name in family.programs}
+    by_hand = {name for key, family in FAMILIES.items() if key not in tooltable.load()
+               for name in family.programs}
+    assert tools and by_hand and not tools & by_hand
+
+
+# (a command that only reads, one that changes the service, one that changes only this
+# machine's settings for it, or None when the tool has none)
+SERVICE_TOOLS = [
+    ("stripe customers list", "stripe customers create --email a@b.c", "stripe login"),
+    ("twilio api:core:messages:list", "twilio api:core:messages:create --to +1555 --body hi", "twilio login"),
+    ("vonage apps list", "vonage apps create shop", "vonage auth set"),
+    ("confluent kafka topic list", "confluent kafka topic create orders", "confluent login"),
+    ("rpk cluster info", "rpk topic create orders", "rpk cloud login"),
+    ("mmctl channel list team", "mmctl post create team:town --message hi", "mmctl auth login https://chat"),
+    ("supabase migration list", "supabase db push", "supabase login"),
+    ("neonctl branches list", "neonctl branches create --name dev", "neonctl auth"),
+    ("turso db list", "turso db create app", "turso auth login"),
+    ("pscale branch list app", "pscale deploy-request create app dev", "pscale auth login"),
+    ("atlas clusters list", "atlas clusters create c1 --provider AWS", "atlas auth login"),
+    ("fauna schema status", "fauna schema push", "fauna login"),
+    ("hasura migrate status", "hasura metadata apply", "hasura update-cli"),
+    ("databricks clusters list", "databricks clusters delete 0123", "databricks auth login"),
+    ("snow object list table", "snow sql -q 'drop table t'", "snow connection add"),
+    ("convex env list", "convex deploy", "convex login"),
+    ("skopeo inspect docker://quay.io/x", "skopeo copy docker://a/x docker://b/x", "skopeo login quay.io"),
+    ("crane ls gcr.io/p/x", "crane copy gcr.io/p/x gcr.io/q/x", "crane auth login gcr.io"),
+    ("oras repo tags r.io/x", "oras push r.io/x:1 a.txt", "oras login r.io"),
+    ("regctl tag ls r.io/x", "regctl image copy r.io/x r.io/y", "regctl registry login r.io"),
+    ("cosign verify r.io/x", "cosign sign r.io/x", "cosign login r.io"),
+    ("civo instance list", "civo instance create web", "civo apikey save k v"),
+    ("stackit server list", "stackit server create --name web", "stackit auth login"),
+    ("openstack server list", "openstack server delete web", None),
+    ("azd env list", "azd up", "azd auth login"),
+    ("sam logs -n fn", "sam deploy --guided", None),
+    ("koyeb apps list", "koyeb apps create shop", "koyeb login"),
+    ("platform environment:list", "platform environment:delete dev", "platform login"),
+    ("surge list", "surge ./dist shop.surge.sh", "surge login"),
+    ("velero backup get", "velero backup create nightly", "velero client config set namespace=x"),
+    ("argo list", "argo submit wf.yaml", None),
+    ("tkn pipeline list", "tkn pipeline start build", None),
+    ("okteto namespace list", "okteto deploy", "okteto context use https://okteto.example"),
+    ("rosa list clusters", "rosa create cluster --cluster-name c1", "rosa login --token t"),
+    ("circleci config validate", "circleci context create github org ctx", "circleci setup"),
+    ("bk build list", "bk build new", "bk configure"),
+    ("drone build ls o/r", "drone build restart o/r 12", None),
+    ("sentry-cli releases list", "sentry-cli releases new v1", "sentry-cli login"),
+    ("newrelic nrql query -q 'SELECT 1'", "newrelic apm deployment create --revision 2",
+     "newrelic profile add"),
+    ("ldcli flags list", "ldcli flags toggle-on --flag beta", "ldcli login"),
+    ("checkly env ls", "checkly deploy", "checkly login"),
+    ("vault kv get secret/app", "vault kv put secret/app key=v", "vault login"),
+    ("bw list items", "bw delete item 1f2e", "bw login"),
+    ("auth0 apps list", "auth0 apps create", "auth0 login"),
+    ("tsh ls", "tsh ssh root@node", "tsh login --proxy p.example"),
+    ("consul kv get config/app", "consul kv put config/app x", "consul login -method oidc"),
+    ("nomad job status", "nomad job run app.nomad", "nomad login"),
+    ("snyk test", "snyk monitor", "snyk auth"),
+    ("algolia indices list", "algolia indices delete products", "algolia profile add"),
+    ("sanity dataset list", "sanity deploy", "sanity login"),
+    ("shopify theme list", "shopify theme push", "shopify auth logout"),
+    ("jira issue list", "jira issue create -s 'title'", "jira init"),
+    ("cloudflared tunnel list", "cloudflared tunnel create web", "cloudflared tunnel login"),
+    ("ngrok diagnose", "ngrok http 8000", "ngrok config add-authtoken t"),
+    ("fastly service list", "fastly purge --all", "fastly profile create"),
+    ("eas build:list", "eas submit -p ios", "eas login"),
+    ("modal app list", "modal deploy app.py", "modal setup"),
+    ("wandb artifact ls proj", "wandb sync run-dir", "wandb login"),
+    ("kaggle datasets list", "kaggle competitions submit -c titanic -f s.csv", "kaggle config set -n k -v v"),
+    ("huggingface-cli whoami", "huggingface-cli upload me/model .", "huggingface-cli login"),
+    ("sky status", "sky launch task.yaml", "sky api login"),
+    ("tailscale status", "tailscale funnel 443", None),
+]
+
+
+@pytest.mark.parametrize(("reads", "changes", "setting"), SERVICE_TOOLS,
+                         ids=[reads.split()[0] for reads, _, _ in SERVICE_TOOLS])
+def test_service_tools_read_change_the_service_or_only_this_machine(reads: str, changes: str,
+                                                                     setting: str | None) -> None:
+    tools = {name for family in tooltable.load().values() for name in family.programs}
+    assert reads.split()[0] in tools
+    assert classify(reads, cwd=PROJECT).kind is N
+    assert classify(changes, cwd=PROJECT).kind is E
+    assert setting is None or classify(setting, cwd=PROJECT).kind is F
+
+
+def test_service_tools_sample_is_large_enough() -> None:
+    assert len({reads.split()[0] for reads, _, _ in SERVICE_TOOLS}) >= 40
+
+
+@pytest.mark.parametrize(("kind", "command"), [
+    (E, "stripe customers create --description list"),  # a flag's value is no action
+    (E, "stripe customers delete list"),
+    (E, "infisical run --env=prod -- git push"),
+    (F, "infisical run -- npm test"),
+    (N, "tccli cvm DescribeInstances"),
+    (E, "tccli cvm RunInstances --InstanceType S5"),
+    (N, "octodns-sync --config-file dns.yaml"),
+    (E, "octodns-sync --config-file dns.yaml --doit"),
+    (N, "certbot renew --dry-run"),
+    (E, "certbot renew"),
+    (G, "dvc pull"),
+    (E, "dvc push"),
+    (F, "dvc repro"),
+    (F, "kubectx prod"),
+    (N, "kubectx"),
+    (F, "act -j test"),
+    (N, "act -l"),
+    (E, "jsr publish"),
+    (N, "jsr publish --dry-run"),
+    (G, "supabase db diff -f init"),
+    (F, "supabase start"),
+    (F, "cd /tmp && supabase init"),
+])
+def test_service_tools_special_rows(kind: Kind, command: str) -> None:
+    decision = classify(command, cwd=PROJECT)
+    assert decision.kind is kind, decision.reasons
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[f\n", "tools.toml: not valid TOML"),
+    ("f = 1\n", "tools.toml: f: a family must be a table of programs"),
+    ('[f.x]\nreads = "list"\n', "tools.toml: x: source must be the https address"),
+    ('[f.x]\nsource = "http://x.example/cli"\n', "tools.toml: x: source must be the https address"),
+    ('[f.x]\nsource = "https://x.example"\ndefault = "maybe"\n', "x: default must be one of none, git, fork"),
+    ('[f.x]\nsource = "https://x.example"\ngroups.db = { bare = "often" }\n', "x db: bare must be one of"),
+    ('[f.x]\nsource = "https://x.example"\nreads = "a"\nsettings = "a"\n', "x: a is in two lists"),
+    ('[f.x]\nsource = "https://x.example"\nkinds = "a"\n', "x: unknown field 'kinds'"),
+    ('[f.x]\nsource = "https://x.example"\nreads = ["a"]\n', "x: reads must be a string"),
+    ('[f.x]\nsource = "https://x.example"\ndepth = 0\n', "x: depth must be a whole number from 1"),
+    ('[f.x]\nsource = "https://x.example"\n[g.x]\nsource = "https://x.example"\n', "x: defined twice"),
+])
+def test_bad_tool_tables_are_refused_naming_the_program(text: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        tooltable.load(text)

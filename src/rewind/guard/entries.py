@@ -45,6 +45,14 @@ SCHEDULES = Rule(Kind.FORK, "changes scheduled jobs")
 
 
 @dataclass(frozen=True)
+class Family:
+    """Programs of one kind, and where what their entries say comes from."""
+
+    programs: dict[str, Entry]
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Writer:
     """A program whose effect is changing the files it names: its operands (which ones:
     `written`) and the values of `target_flags`, as in `cp -t DIR`."""
@@ -167,6 +175,32 @@ def topics(commands: Mapping[str, Entry], read_topics: str, read_actions: str, d
 
 
 @dataclass(frozen=True)
+class Resources:
+    """A CLI whose commands are RESOURCE... ACTION (stripe customers list, neonctl branches
+    create): the command only reads when one of the `depth` words after the first `named`
+    (the resource's name; 0 when a subcommand already named it: velero backup get) is in
+    `actions` (or starts with one of `prefixes`: tccli's DescribeInstances), and goes to
+    `default` otherwise. Only the words before the first flag count, so that a flag's value
+    (--name list) is never taken for an action."""
+
+    actions: frozenset[str]
+    default: Entry
+    depth: int = 1
+    prefixes: tuple[str, ...] = ()
+    named: int = 1
+
+    def __call__(self, call: Call) -> list[Rule]:
+        words: list[str] = []
+        for word in call.args:
+            if word.text is None or word.text.startswith("-"):
+                break
+            words.append(word.text)
+        after = words[self.named:self.named + self.depth]
+        reads = self.actions.intersection(after) or any(word.startswith(self.prefixes) for word in after)
+        return (READS if reads else self.default)(call)
+
+
+@dataclass(frozen=True)
 class Given:
     """A program judged by `rule` when one of `words` (a flag or an operand, as written or
     before its `=`) is given, and by `otherwise` when none is."""
@@ -190,16 +224,19 @@ class VersionBump:
     prints the version; given one, or a bump, it writes it into the manifest. npm and yarn
     then also commit and tag, unless one of `no_tag` says not to: a tag is not something the
     git tier takes back, so that is a fork. `then`: what else a bump does (uv locks and syncs
-    the environment), instead of only the manifest."""
+    the environment), instead of only the manifest. `asks`: given no version, it asks for one
+    and writes it (yarn 1) rather than printing the current one."""
 
     bump_flags: frozenset[str] = frozenset()
     no_tag: frozenset[str] | None = None  # None: it never commits or tags
     then: Entry | None = None
+    asks: bool = False
 
     def __call__(self, call: Call) -> list[Rule]:
         texts = [word.text for word in call.args]
         flags = {(t or "").partition("=")[0] for t in texts}
-        if not (flags & self.bump_flags or any(t is None or not t.startswith("-") for t in texts)):
+        bumps = self.asks or flags & self.bump_flags or any(t is None or not t.startswith("-") for t in texts)
+        if not bumps:
             return [READS]
         if self.then is not None:
             return self.then(call)

@@ -3,14 +3,16 @@
 Every entry is called with one program's run (a Call) and returns the verdicts that apply to
 it; the kinds of entry are in rewind.guard.entries (a Rule, Writer, Subcommands, Wrapper,
 Rewrites, Topics, Given) and rewind.guard.handlers (programs a table cannot describe). To
-teach the guard a program, add it to its family here, with a test in tests/test_programs.py.
-A family's `sources` are the reference pages its subcommand lists were taken from.
+teach the guard a program, add it to its family here, with a test in tests/test_programs.py;
+a hosted service's command-line tool (stripe, supabase, skopeo...) goes in tools.toml instead
+(rewind.guard.tooltable). A family's `sources` are the reference pages its subcommand lists
+were taken from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from rewind.errors import InvalidArgument
+from rewind.guard import tooltable
 from rewind.guard.entries import (
     ANOTHER_MACHINE,
     EDITOR,
@@ -32,6 +34,7 @@ from rewind.guard.entries import (
     SHELL_STATE,
     SYSTEM,
     Entry,
+    Family,
     Given,
     Subcommands,
     VersionBump,
@@ -103,15 +106,6 @@ from rewind.guard.handlers import (
 )
 from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import HERE, Options
-
-
-@dataclass(frozen=True)
-class Family:
-    """Programs of one kind, and where what their entries say comes from."""
-
-    programs: dict[str, Entry]
-    sources: tuple[str, ...] = ()
-
 
 # ---------------------------------------------------------------------------------------------
 # Verdicts and option sets several families use
@@ -397,6 +391,7 @@ LAUNCHERS = Family({
 # ---------------------------------------------------------------------------------------------
 # Packages, and the registries of every ecosystem they are published to
 
+_NPM_VERSION = VersionBump(no_tag=word_set("--no-git-tag-version"))
 _NPM_LAUNCH = {"exec": _NPX, "x": _NPX, "dlx": _NPX}
 _NPM = verbs(
     "ls list ll la view info show v outdated search help whoami ping explain why fund root prefix bin doctor",
@@ -408,23 +403,34 @@ _NPM = verbs(
     audit=verbs("", default=READS, bare=READS, fix=PACKAGES),
     config=verbs("get list ls", default=SETTINGS),
     pkg=verbs("get", default=MANIFEST),
-    version=VersionBump(no_tag=word_set("--no-git-tag-version")),
+    version=_NPM_VERSION,  # pnpm's too (its own since pnpm 11, npm's before)
     **_NPM_LAUNCH,
 )
 _PIP = package_manager("list show freeze check search help index inspect debug hash",
                        config=verbs("list get debug", default=SETTINGS),
                        cache=verbs("list dir info", default=SETTINGS))
+# yarn 1 bumps with flags (--patch, --new-version X), or asks for the version, then commits and
+# tags as npm does; yarn 2 and later take a strategy (yarn version patch) and only write manifests
+_YARN_VERSION = Subcommands(
+    {"check": Given(word_set("-i --interactive"), FOLDER), "apply": MANIFEST},
+    default=MANIFEST,
+    bare=VersionBump(no_tag=word_set("--no-git-tag-version"), asks=True),
+    value_flags=word_set("--new-version --preid --message -m"),
+)
 _PUB = verbs("deps outdated token", default=PACKAGES, publish=unless_dry_run(PUBLISHES, "--dry-run -n"),
              lish=unless_dry_run(PUBLISHES, "--dry-run -n"))
 
 PACKAGES_AND_REGISTRIES = Family({
     "pip": _PIP,
     **each("npm pnpm", _NPM),
-    "yarn": Subcommands(_NPM.verbs, default=RUNS_CODE, bare=PACKAGES),  # yarn alone installs
+    "yarn": Subcommands({**_NPM.verbs, "version": _YARN_VERSION}, default=RUNS_CODE,
+                        bare=PACKAGES),  # yarn alone installs
     "bun": Evaluates("bun", Options(short_values="epr",
                                     long_values=word_set("--eval --print --preload --cwd"),
                                     aliases={"--eval": "-e", "--print": "-p", "--preload": "-r"}),
-                     verbs("pm --revision", default=RUNS_CODE, publish=unless_dry_run(PUBLISHES), x=_NPX,
+                     verbs("--revision", default=RUNS_CODE,
+                           pm=Subcommands({"version": _NPM_VERSION, "pkg": verbs("get", default=MANIFEST)},
+                                          default=READS), publish=unless_dry_run(PUBLISHES), x=_NPX,
                            **each("install i add a remove rm update link unlink", PACKAGES)),
                      dir_flags=("--cwd",)),
     "deno": verbs("check info doc types lint-rules completions --version", default=RUNS_CODE, eval=deno_eval,
@@ -895,14 +901,26 @@ PLATFORMS = Family({
 
 
 # ---------------------------------------------------------------------------------------------
-# The table
+# The table: the families above, and those of hosted services' tools in tools.toml
 
 FAMILIES: dict[str, Family] = {
     "shell": SHELL, "wrappers": WRAPPERS, "files": FILES, "system": SYSTEM_TOOLS, "git and forges": FORGES,
     "launchers": LAUNCHERS, "packages and registries": PACKAGES_AND_REGISTRIES, "formatters": FORMATTERS,
     "network": NETWORK, "chat and mail": CHAT_AND_MAIL, "databases": DATABASES, "containers": CONTAINERS,
     "infrastructure": INFRASTRUCTURE, "clouds": CLOUDS, "platforms": PLATFORMS,
+    **tooltable.load(),
 }
 
-PROGRAMS: dict[str, Entry] = {name: entry for family in FAMILIES.values()
-                               for name, entry in family.programs.items()}
+
+def _merged(families: dict[str, Family]) -> dict[str, Entry]:
+    """Every family's programs; a program in two families (a row of tools.toml the families
+    above have too) is an error, so that no row is silently shadowed."""
+    programs: dict[str, Entry] = {}
+    for name, family in families.items():
+        if twice := programs.keys() & family.programs.keys():
+            raise InvalidArgument(f"{', '.join(sorted(twice))}: in the family {name!r} and in another")
+        programs.update(family.programs)
+    return programs
+
+
+PROGRAMS: dict[str, Entry] = _merged(FAMILIES)
