@@ -24,7 +24,7 @@ from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.engine import Engine
 from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
 from rewind.engine.qmp import Monitor
-from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, Store
+from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, open_store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking
 # first that the file still holds what it last wrote. Memory and disk captured at different
@@ -105,7 +105,7 @@ def test_memory_and_disk_agree_and_processes_come_back(home: Home) -> None:
     machine = sbx._machine
     in_use = {Path(d) for d in machine.record.disks}
     assert set(machine.disk_dir.glob("*.qcow2")) <= in_use, "layers nothing uses are left behind"
-    saved = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
+    saved = [m for m in open_store(home.store).list() if m.labels.get("auto") == "before-restore"]
     assert len(saved) == 1 and saved[0].parent == point.id
     assert not list((home.root / "cache" / "devstate").glob("*.qmp")), "its monitor socket remains"
 
@@ -147,7 +147,7 @@ def test_deleting_middle_points_keeps_the_newest_whole(home: Home) -> None:
     for step in range(4):
         sbx.files.write("/root/step", str(step))
         sbx.checkpoint(name=f"c{step}", wait=True)  # in the store, for the store's own API below
-    store = Store.open(home.store)
+    store = open_store(home.store)
     store.delete("c1")
     store.delete("c2")
     store.gc()
@@ -177,7 +177,7 @@ def test_fork_runs_side_by_side_with_its_own_identity(home: Home) -> None:
 def test_a_corrupt_chunk_is_found_and_refused(home: Home) -> None:
     sbx = Sandbox.create("corrupt", home=home)
     point = sbx.checkpoint(name="p", wait=True)
-    store = Store.open(home.store)
+    store = open_store(home.store)
     manifest = store.get(point.id)
     victim = next(h for h in manifest.blobs["devstate"].chunks if h)
     flip_stored_byte(home.store, victim)
@@ -263,7 +263,7 @@ def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        store = Store.open(home.store)
+        store = open_store(home.store)
         assert store.check().ok
         assert sbx.exec("echo alive").stdout == "alive\n"
     # Killed just after stopping the guest: the next session finds it paused and resumes it.
@@ -275,7 +275,7 @@ def test_a_killed_checkpoint_leaves_nothing_half_made(home: Home) -> None:
     sbx.files.write("/root/after", "changed")
     sbx.restore(last.id)
     assert sbx.files.read_text("/root/after") == "written"
-    assert Store.open(home.store).check(read_data=True).ok
+    assert open_store(home.store).check(read_data=True).ok
 
 
 def test_rules_changed_during_a_checkpoint_are_kept(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -327,7 +327,7 @@ def test_a_checkpoint_cut_short_after_its_capture_loses_nothing(home: Home,
     sbx.exec("rm /root/before /root/after && sync", check=True)
     sbx.restore(point.id)
     assert sbx.exec("cat /root/before /root/after", check=True).stdout == "12"
-    assert Store.open(home.store).check(read_data=True).ok
+    assert open_store(home.store).check(read_data=True).ok
 
 
 def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
@@ -355,7 +355,7 @@ def test_a_checkpoint_returns_when_captured_and_is_stored_later(home: Home,
     assert not process_alive(old_qemu, sbx._machine.record.uuid)
     sbx.restore("two")
     assert sbx.files.read_text("/root/f") == "two"
-    assert Store.open(home.store).check(read_data=True).ok
+    assert open_store(home.store).check(read_data=True).ok
 
 
 def test_a_journal_left_after_its_point_was_stored_is_no_lost_point(home: Home,
@@ -412,7 +412,7 @@ def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> Non
     sbx.exec("head -c 8M /dev/urandom > /dev/shm/pattern && sha256sum /dev/shm/pattern > /root/pattern.sum",
              check=True)
     point = sbx.checkpoint(wait=True)
-    manifest = Store.open(home.store).get(point.id)
+    manifest = open_store(home.store).get(point.id)
     assert manifest.meta["ram_base"] == base.id  # stored by its changes alone
     caches = Caches.of(home.root, home.runtime)
     captured = caches.ram / f"{point.id}.ram"
@@ -432,7 +432,7 @@ def test_memory_stored_by_its_changes_restores_byte_identical(home: Home) -> Non
     private = [p for p in [*caches.ram.iterdir(), *caches.devstate.iterdir()] if p.is_file()]
     assert private and [(p.name, oct(p.stat().st_mode)) for p in private if p.stat().st_mode & 0o077] == []
     # The chunks the second point took from the first are the first's own.
-    first = Store.open(home.store).get(base.id).blobs["ram"]
+    first = open_store(home.store).get(base.id).blobs["ram"]
     same = sum(a == b for a, b in zip(first.chunks, manifest.blobs["ram"].chunks, strict=True))
     assert same > len(first.chunks) // 2
 
@@ -454,12 +454,12 @@ def test_memory_stored_as_it_is_written_out_restores_byte_identical(home: Home, 
     sbx.history()  # waits until it is stored
     sbx.exec("pkill -f churn; true")
     assert [s.followed for s in pending.read_commit_stats(home) if s.id == point.id] == [True]
-    manifest = Store.open(home.store).get(point.id)
+    manifest = open_store(home.store).get(point.id)
     caches = Caches.of(home.root, home.runtime)
     captured = caches.ram / f"{point.id}.ram"
     stored = tmp_path / "stored.ram"
     try:
-        Store.open(home.store).materialize(manifest.blobs["ram"], stored)
+        open_store(home.store).materialize(manifest.blobs["ram"], stored)
         with captured.open("rb") as a, stored.open("rb") as b:
             assert blake3.blake3(a.read()).hexdigest() == blake3.blake3(b.read()).hexdigest()
     finally:
@@ -479,7 +479,7 @@ def test_a_first_checkpoint_is_stored_by_its_changes_from_the_template(home: Hom
     sbx.exec("head -c 8M /dev/urandom > /dev/shm/pattern && sha256sum /dev/shm/pattern > /root/pattern.sum",
              check=True)
     point = sbx.checkpoint(wait=True)
-    store = Store.open(home.store)
+    store = open_store(home.store)
     ram = store.get(point.id).blobs["ram"]
     caches = Caches.of(home.root, home.runtime)
     st = template_ram.stat()

@@ -11,7 +11,7 @@ import pytest
 from rewind import InvalidArgument, Sandbox
 from rewind.results import Checkpoint
 from rewind.sandbox import MAX_CONTEXT, history_of
-from rewind.store import Store, export_checkpoint, import_checkpoint
+from rewind.store import export_checkpoint, import_checkpoint, open_store
 
 PLAN = json.dumps({"messages": [{"role": "user", "content": "migrate the database"}], "step": 3,
                    "note": "ünïcödé and newlines\n"})
@@ -31,7 +31,7 @@ def test_context_survives_export_and_import(sbx: Sandbox, tmp_path: Path) -> Non
     point = sbx.checkpoint(name="to-carry", context=PLAN, wait=True)
     out = tmp_path / "point.rewind"
     export_checkpoint(sbx._store, point.id, out)
-    other = Store.open(tmp_path / "other-store", create=True)
+    other = open_store(tmp_path / "other-store", create=True)
     imported = import_checkpoint(other, out)
     assert Checkpoint.of(imported).context == PLAN
     assert history_of(other.get("to-carry"), sbx._machine.home)[0].context == PLAN

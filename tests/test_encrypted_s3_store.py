@@ -20,7 +20,7 @@ from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
 from rewind.errors import InvalidArgument
 from rewind.signers import signing_key, trust
-from rewind.store import CorruptChunk, Store, StoreError, WrongPassword
+from rewind.store import CorruptChunk, StoreError, WrongPassword, open_store
 from rewind.store.cache import UPLOAD_ENV, CachedStore, PushReport, cache_root
 from rewind.store.locks import held_file
 
@@ -53,7 +53,7 @@ def _objects(folder: Path) -> dict[str, bytes]:
 
 
 def _open(url: str, home: Path, password: str = PASSWORD, create: bool = False) -> CachedStore:
-    store = Store.open(url, create=create, encrypt=create, password=password, home=home, chunk_size=CS)
+    store = open_store(url, create=create, encrypt=create, password=password, home=home, chunk_size=CS)
     assert isinstance(store, CachedStore)
     return store
 
@@ -178,7 +178,7 @@ def test_a_machine_checkpointed_into_an_encrypted_bucket(home: Home, bucket: tup
     password at once makes a machine from it and reads both back."""
     url, folder = bucket
     disk_marker, memory_marker = "DISKMARK-b61f0c2e7a", "MEMMARK-0d4e9b71c3"
-    Store.open(url, create=True, encrypt=True, password=PASSWORD, home=home.root)
+    open_store(url, create=True, encrypt=True, password=PASSWORD, home=home.root)
     monkeypatch.setenv("REWIND_STORE", url)
     monkeypatch.setenv("REWIND_PASSWORD", PASSWORD)
     sbx = Sandbox.create("secret")

@@ -30,6 +30,7 @@ from rewind.store import (
     WrongPassword,
     export_checkpoint,
     import_checkpoint,
+    open_store,
 )
 
 CS = 4096
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("no_passwords")
 
 
 def make(path: Path, password: str = PASSWORD) -> Store:
-    return Store.open(path, create=True, encrypt=True, password=password, chunk_size=CS)
+    return open_store(path, create=True, encrypt=True, password=password, chunk_size=CS)
 
 
 def secret_blob(n_chunks: int = 8) -> bytes:
@@ -64,7 +65,7 @@ def test_an_encrypted_store_keeps_nothing_in_the_clear(tmp_path: Path) -> None:
     for name, content in files_of(tmp_path / "store").items():
         for secret in (MARKER, b"before-deploy", b"MARKERLABEL", b'"web"'):
             assert secret not in content, (name, secret)
-    again = Store.open(tmp_path / "store", password=PASSWORD)
+    again = open_store(tmp_path / "store", password=PASSWORD)
     assert again.get("before-deploy").labels == {"who": "MARKERLABEL"}
     again.materialize(again.get(point.id).blobs["ram"], tmp_path / "out")
     assert (tmp_path / "out").read_bytes() == data
@@ -73,7 +74,7 @@ def test_an_encrypted_store_keeps_nothing_in_the_clear(tmp_path: Path) -> None:
 
 
 def test_plain_stores_stay_as_they_were(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "plain", create=True, chunk_size=CS)
+    store = open_store(tmp_path / "plain", create=True, chunk_size=CS)
     assert json.loads((tmp_path / "plain" / "config.json").read_text()) == {"format": 2, "chunk_size": CS}
     assert not store.encrypted and not (tmp_path / "plain" / "keys").exists()
     blob = store.put_blob(BytesIO(secret_blob()))
@@ -87,24 +88,24 @@ def test_a_wrong_or_missing_password_is_refused_and_writes_nothing(tmp_path: Pat
     make(tmp_path / "store")
     before = files_of(tmp_path / "store")
     with pytest.raises(WrongPassword, match="wrong password"):
-        Store.open(tmp_path / "store", password="incorrect horse")
+        open_store(tmp_path / "store", password="incorrect horse")
     with pytest.raises(WrongPassword, match="REWIND_PASSWORD"):
-        Store.open(tmp_path / "store")
+        open_store(tmp_path / "store")
     with pytest.raises(WrongPassword):  # a prompt that gets nothing
-        Store.open(tmp_path / "store", password=lambda: "")
+        open_store(tmp_path / "store", password=lambda: "")
     assert files_of(tmp_path / "store") == before
     monkeypatch.setenv("REWIND_PASSWORD", PASSWORD)
-    assert Store.open(tmp_path / "store").encrypted
+    assert open_store(tmp_path / "store").encrypted
     (tmp_path / "pw").write_text("incorrect horse\n")
     monkeypatch.setenv("REWIND_PASSWORD_FILE", str(tmp_path / "pw"))  # the file wins over the variable
     with pytest.raises(WrongPassword):
-        Store.open(tmp_path / "store")
+        open_store(tmp_path / "store")
     (tmp_path / "pw").write_text(PASSWORD + "\n")
-    assert Store.open(tmp_path / "store").encrypted
+    assert open_store(tmp_path / "store").encrypted
     monkeypatch.delenv("REWIND_PASSWORD_FILE")
     monkeypatch.delenv("REWIND_PASSWORD")
     with pytest.raises(WrongPassword):  # no store is made without a password either
-        Store.open(tmp_path / "new", create=True, encrypt=True, password=lambda: "")
+        open_store(tmp_path / "new", create=True, encrypt=True, password=lambda: "")
     assert not (tmp_path / "new").exists()
 
 
@@ -115,11 +116,11 @@ def _no_scrypt(*_: object) -> bytes:
 def test_a_process_pays_scrypt_once_per_key_file_and_password(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     make(tmp_path / "store")
-    first = Store.open(tmp_path / "store", password=PASSWORD)
+    first = open_store(tmp_path / "store", password=PASSWORD)
     monkeypatch.setattr(crypto, "_derive", _no_scrypt)
-    assert Store.open(tmp_path / "store", password=PASSWORD).keys == first.keys  # remembered
+    assert open_store(tmp_path / "store", password=PASSWORD).keys == first.keys  # remembered
     with pytest.raises(AssertionError, match="scrypt ran"):  # another password is tried in full
-        Store.open(tmp_path / "store", password="incorrect horse")
+        open_store(tmp_path / "store", password="incorrect horse")
 
 
 def test_a_helper_handed_the_keys_skips_scrypt_but_still_needs_the_password(tmp_path: Path) -> None:
@@ -129,13 +130,13 @@ def test_a_helper_handed_the_keys_skips_scrypt_but_still_needs_the_password(tmp_
     import rewind.store
 
     make(tmp_path / "store")
-    Store.open(tmp_path / "store", password=PASSWORD)
+    open_store(tmp_path / "store", password=PASSWORD)
     handed = rewind.store.unlocked_for_child()
     assert PASSWORD.encode() not in handed
     child = ("import sys, rewind.store, rewind.store.crypto as c\n"
              "rewind.store.take_unlocked(open(int(sys.argv[1]), 'rb').read())\n"
              "c._derive = lambda *a: sys.exit(3)\n"  # scrypt would end the child with 3
-             "rewind.store.Store.open(sys.argv[2], password=sys.argv[3])\n")
+             "rewind.store.open_store(sys.argv[2], password=sys.argv[3])\n")
     for password, code in ((PASSWORD, 0), ("incorrect horse", 3)):
         read, write = os.pipe()
         os.write(write, handed)
@@ -155,10 +156,10 @@ def test_keys_add_list_remove_and_change_password(tmp_path: Path, monkeypatch: p
     assert [s.id for s in store.key_slots()] == [first, second]
     slot = json.loads((tmp_path / "store" / "keys" / second).read_text())
     assert {"n", "r", "p", "salt", "data", "kdf"} <= slot.keys() and slot["kdf"] == "scrypt"
-    assert Store.open(tmp_path / "store", password="second password").key_id == second
+    assert open_store(tmp_path / "store", password="second password").key_id == second
     store.remove_key(second)
     with pytest.raises(WrongPassword):
-        Store.open(tmp_path / "store", password="second password")
+        open_store(tmp_path / "store", password="second password")
     with pytest.raises(InvalidArgument, match="no key"):
         store.remove_key("0123456789abcdef")
 
@@ -166,8 +167,8 @@ def test_keys_add_list_remove_and_change_password(tmp_path: Path, monkeypatch: p
     new = store.change_password("new password")
     assert [s.id for s in store.key_slots()] == [new]
     with pytest.raises(WrongPassword):
-        Store.open(tmp_path / "store", password=PASSWORD)
-    reopened = Store.open(tmp_path / "store", password="new password")
+        open_store(tmp_path / "store", password=PASSWORD)
+    reopened = open_store(tmp_path / "store", password="new password")
     reopened.materialize(reopened.get(point.id).blobs["ram"], tmp_path / "out")  # the same master key
     assert (tmp_path / "out").read_bytes() == secret_blob()
 
@@ -179,7 +180,7 @@ def test_keys_add_list_remove_and_change_password(tmp_path: Path, monkeypatch: p
     with pytest.raises(KeyboardInterrupt):
         reopened.change_password("newer password")
     for password in ("new password", "newer password"):
-        assert Store.open(tmp_path / "store", password=password)
+        assert open_store(tmp_path / "store", password=password)
 
 
 def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
@@ -188,7 +189,7 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
     h = point.blobs["ram"].chunks[0]
     assert h is not None
     flip_stored_byte(store.root, h)
-    fresh = Store.open(store.root, password=PASSWORD)
+    fresh = open_store(store.root, password=PASSWORD)
     with pytest.raises(CorruptChunk, match="authentication"):
         fresh.materialize(point.blobs["ram"], tmp_path / "out")
     assert not fresh.check(read_data=True).ok
@@ -196,7 +197,7 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
     raw = bytearray(manifest.read_bytes())
     raw[len(raw) // 2] ^= 1
     manifest.write_bytes(bytes(raw))
-    fresh = Store.open(store.root, password=PASSWORD)
+    fresh = open_store(store.root, password=PASSWORD)
     with pytest.raises(StoreError, match="damaged.*authentication"):
         fresh.get(point.id)
     assert fresh.list() == []
@@ -206,14 +207,14 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path: Path) -> None:
     sealed[-1] ^= 1
     key.write_text(json.dumps({**slot, "data": crypto._b64(bytes(sealed))}))
     with pytest.raises(WrongPassword):
-        Store.open(store.root, password=PASSWORD)
+        open_store(store.root, password=PASSWORD)
 
 
 def test_a_making_that_died_before_its_config_leaves_no_key_behind(tmp_path: Path) -> None:
     make(tmp_path / "store")
     (tmp_path / "store" / "config.json").unlink()  # as if killed just before it was written
     store = make(tmp_path / "store")
-    assert len(store.key_slots()) == 1 and Store.open(store.root, password=PASSWORD).keys == store.keys
+    assert len(store.key_slots()) == 1 and open_store(store.root, password=PASSWORD).keys == store.keys
 
 
 def test_a_key_file_asking_for_too_much_work_is_refused(tmp_path: Path) -> None:
@@ -223,7 +224,7 @@ def test_a_key_file_asking_for_too_much_work_is_refused(tmp_path: Path) -> None:
     for change in ({"n": 1 << 20, "r": 16}, {"p": 1000}, {"n": 1000}):
         key.write_text(json.dumps({**slot, **change}))
         with pytest.raises(StoreError, match="damaged"):
-            Store.open(tmp_path / "store", password=PASSWORD)
+            open_store(tmp_path / "store", password=PASSWORD)
 
 
 def test_a_config_turned_back_to_plain_is_refused(tmp_path: Path) -> None:
@@ -231,7 +232,7 @@ def test_a_config_turned_back_to_plain_is_refused(tmp_path: Path) -> None:
     make(tmp_path / "store")
     (tmp_path / "store" / "config.json").write_text(json.dumps({"format": 2, "chunk_size": CS}))
     with pytest.raises(StoreError, match="key files"):
-        Store.open(tmp_path / "store")
+        open_store(tmp_path / "store")
 
 
 def test_chunk_names_are_keyed_and_still_deduplicate(tmp_path: Path) -> None:
@@ -257,10 +258,10 @@ def test_export_and_import_of_an_encrypted_store(tmp_path: Path) -> None:
     assert MARKER not in out.read_bytes() and b'"web"' not in out.read_bytes()
 
     with pytest.raises(BadExport, match="encrypted export"):
-        import_checkpoint(Store.open(tmp_path / "plain", create=True), out)
+        import_checkpoint(open_store(tmp_path / "plain", create=True), out)
     with pytest.raises(BadExport, match="another encrypted store"):
         import_checkpoint(make(tmp_path / "other"), out)
-    plain = Store.open(tmp_path / "plain")
+    plain = open_store(tmp_path / "plain")
     plain_point = plain.commit("web", {"ram": plain.put_blob(BytesIO(b"x" * CS))})
     export_checkpoint(plain, plain_point.id, tmp_path / "plain.rwnd")
     with pytest.raises(BadExport, match="plain export"):
@@ -268,7 +269,7 @@ def test_export_and_import_of_an_encrypted_store(tmp_path: Path) -> None:
 
     store.add_key("another")
     store.delete("p")
-    by_other_key = Store.open(store.root, password="another")
+    by_other_key = open_store(store.root, password="another")
     assert import_checkpoint(by_other_key, out).id == point.id
     by_other_key.materialize(by_other_key.get("p").blobs["ram"], tmp_path / "back")
     assert (tmp_path / "back").read_bytes() == secret_blob()
@@ -315,7 +316,7 @@ def test_the_store_verbs(tmp_path: Path) -> None:
 
 def _opens(root: Path, password: str) -> bool:
     try:
-        Store.open(root, password=password).check()
+        open_store(root, password=password).check()
         return True
     except WrongPassword:
         return False
@@ -358,8 +359,8 @@ def test_a_frozen_encrypted_store_still_reads(tmp_path: Path) -> None:
     for folder in ("tmp", "locks", "chunks"):  # git keeps no empty folders
         (root / folder).mkdir(exist_ok=True)
     with pytest.raises(WrongPassword):
-        Store.open(root, password="not-the-password")
-    store = Store.open(root, password=FROZEN_PASSWORD)
+        open_store(root, password="not-the-password")
+    store = open_store(root, password=FROZEN_PASSWORD)
     report = store.check(read_data=True)
     assert report.ok and (report.checkpoints, report.chunks) == (2, 4), report
     assert store.get("second").parent == store.get("first").id and store.get("second~1").name == "first"
@@ -385,7 +386,7 @@ def test_a_machine_checkpointed_into_an_encrypted_store(home: Home, tmp_path: Pa
 
     disk_marker, memory_marker = "DISKMARK-4e1f0b9d2a", "MEMMARK-93c7a1e5d0"
     store_path = tmp_path / "shared-store"
-    Store.open(store_path, create=True, encrypt=True, password=PASSWORD)  # the default chunk size
+    open_store(store_path, create=True, encrypt=True, password=PASSWORD)  # the default chunk size
     monkeypatch.setenv("REWIND_STORE", str(store_path))
     monkeypatch.setenv("REWIND_PASSWORD", PASSWORD)
     sbx = Sandbox.create("secret")

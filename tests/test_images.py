@@ -22,7 +22,7 @@ from rewind.engine.engine import Engine
 from rewind.image.custom import build_from_dockerfile, build_from_image, remove_image
 from rewind.image.dockerfile import Builder, builder_for
 from rewind.signers import signing_key, trust
-from rewind.store import Store, export_checkpoint, import_checkpoint
+from rewind.store import export_checkpoint, import_checkpoint, open_store
 
 ENV = {"PATH": "/bin", "GREETING": "from the image"}
 
@@ -121,11 +121,11 @@ def test_a_point_of_an_image_runs_in_a_home_that_lacks_the_image(shared_home: Ho
         sbx.exec("echo travelled > /root/state", check=True)
         point = sbx.checkpoint(wait=True)
     digest = Engine(shared_home).image(built["oci"]).source["digest"]
-    assert Store.open(shared_home.store).get(point.id).meta["image_digest"] == digest
+    assert open_store(shared_home.store).get(point.id).meta["image_digest"] == digest
     # Through the shared store, and through an export file into the other home's own store.
     exported = tmp_path / "point.rewind"
-    export_checkpoint(Store.open(shared_home.store), point.id, exported)
-    imported = import_checkpoint(Store.open(other.store, create=True), exported)
+    export_checkpoint(open_store(shared_home.store), point.id, exported)
+    imported = import_checkpoint(open_store(other.store, create=True), exported)
     try:
         for store in (shared_home.store, other.store):
             with Sandbox.create(from_checkpoint=imported.id, home=other, store=store) as copy:

@@ -23,7 +23,7 @@ from rewind.engine.engine import Engine
 from rewind.engine.migstream import has_configuration
 from rewind.engine.qemu import PID_FILE, process_alive, qemu_build
 from rewind.errors import NotFound
-from rewind.store import Store
+from rewind.store import open_store
 
 # 16 MiB in the guest's memory (a file on its tmpfs), every byte known from a seed.
 PATTERN = ("python3 -c 'import hashlib,sys; s=sys.argv[1].encode(); "
@@ -55,7 +55,7 @@ def test_a_point_stored_by_its_changes_restores_identical_memory(home: Home) -> 
 
     shutil.rmtree(home.runtime / "ram")  # every memory image on this host
     shutil.rmtree(home.root / "cache")
-    store = Store.open(home.store)
+    store = open_store(home.store)
     store.materialize(store.get(second.id).blobs["ram"], home.root / "from-store.ram")
     assert hashlib.sha256((home.root / "from-store.ram").read_bytes()).hexdigest() == captured
     (home.root / "from-store.ram").unlink()
@@ -83,7 +83,7 @@ def test_a_try_copies_a_restored_machine_by_the_pages_it_wrote(home: Home) -> No
     assert outcome.log.split()[0] == _expected("one", "two") and outcome.log.split()[-1] == "2"
     assert sbx.exec(ASK).stdout.strip() == "3"  # the kept copy's server, where the step left it
     point = next(c for c in sbx.history() if c.labels.get("auto") == "fork")
-    store = Store.open(home.store)
+    store = open_store(home.store)
     store.materialize(store.get(point.id).blobs["devstate"], home.root / "devstate")
     assert not has_configuration(home.root / "devstate"), "the copy was migrated, not copied"
     sbx.delete()
@@ -143,7 +143,7 @@ def test_a_point_runs_before_its_image_is_filled(home: Home, monkeypatch: pytest
             thread.join()
     assert sbx.exec(ASK).stdout.strip() == "4"  # the kept copy's server
     last = sbx.checkpoint(wait=True)
-    assert Store.open(home.store).check(read_data=True).ok
+    assert open_store(home.store).check(read_data=True).ok
     sbx.delete()
 
     shutil.rmtree(home.runtime / "ram")  # every memory image on this host
@@ -188,7 +188,7 @@ def test_a_point_is_usable_before_it_is_stored(home: Home, monkeypatch: pytest.M
     # The next reader stores them all; the restores' own points too.
     names = [c.name for c in sbx.history()]
     assert names[-1] == "one" and not pending.journals(home)
-    assert Store.open(home.store).check(read_data=True).ok
+    assert open_store(home.store).check(read_data=True).ok
 
     # A capture whose files are gone before it is stored: lost, said once, the rest intact.
     sbx.files.write("/root/f", "three")
@@ -237,7 +237,7 @@ def test_a_next_qemu_left_by_a_killed_restore_is_ended(home: Home) -> None:
     sbx = Sandbox.create("orphan", home=home)
     point = sbx.checkpoint()
     machine = sbx._machine
-    located = Engine(home).find_point(Store.open(home.store), point.id)
+    located = Engine(home).find_point(open_store(home.store), point.id)
     machine.next_qemu(located.state)  # never adopted: as a killed restore leaves it
     (folder,) = machine.stray_starts()
     pid = int((folder / PID_FILE).read_text())

@@ -14,7 +14,7 @@ from rewind.engine import pending
 from rewind.engine.engine import Engine
 from rewind.engine.qemu import QEMU_ENV, qemu_build
 from rewind.errors import NeedsNewerQemu
-from rewind.store import Store
+from rewind.store import open_store
 
 LEGACY_QEMU = Path(__file__).parents[1] / ".cache/qemu-7.2/usr/bin/qemu-system-x86_64"
 PATTERN = "head -c {mib}M /dev/urandom > /dev/shm/p && sha256sum /dev/shm/p > /root/p.sum"
@@ -67,7 +67,7 @@ def test_plain_migrations_write_points_that_run(home: Home) -> None:
     sbx.restore(start)
     assert not sbx.exec("test -e /root/q.sum").ok
     sbx.history()  # waits until the state it left is stored
-    (left,) = [m for m in Store.open(home.store).list() if m.labels.get("auto") == "before-restore"]
+    (left,) = [m for m in open_store(home.store).list() if m.labels.get("auto") == "before-restore"]
     sbx.restore(left.id)
     assert sbx.exec("sha256sum -c /root/p.sum /root/q.sum").ok
 

@@ -24,7 +24,7 @@ from conftest import rewind_cli
 from rewind import Home, Sandbox
 from rewind.bench.s3 import RcloneS3
 from rewind.signers import signing_key, trust
-from rewind.store import Store
+from rewind.store import Store, open_store
 from rewind.store.cache import UPLOAD_ENV, CachedStore
 from rewind.store.errors import RemoteUnavailable, StoreBusy
 from rewind.store.remote import TTL, LockNote, lock_notes, remote_lock
@@ -69,7 +69,7 @@ def url(server: RcloneS3 | None, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def _open(url: str, home: Path, create: bool = False) -> CachedStore:
-    store = Store.open(url, create=create, home=home)
+    store = open_store(url, create=create, home=home)
     assert isinstance(store, CachedStore)
     return store
 

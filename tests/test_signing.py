@@ -29,7 +29,14 @@ from rewind.signers import (
     trust_list,
     use_key,
 )
-from rewind.store import CheckpointManifest, Store, UntrustedCheckpoint, export_checkpoint, import_checkpoint
+from rewind.store import (
+    CheckpointManifest,
+    Store,
+    UntrustedCheckpoint,
+    export_checkpoint,
+    import_checkpoint,
+    open_store,
+)
 from rewind.store.signing import SigningKey, fingerprint, verify
 
 CS = 4096
@@ -52,12 +59,12 @@ def _manifest_file(store: Store, manifest: CheckpointManifest) -> Path:
 
 
 def _reread(store: Store, manifest: CheckpointManifest) -> CheckpointManifest:
-    return Store.open(store.root).get(manifest.id)  # a new Store: nothing cached
+    return open_store(store.root).get(manifest.id)  # a new Store: nothing cached
 
 
 def test_a_signed_manifest_verifies_and_names_its_signer(tmp_path: Path) -> None:
     key = SigningKey.generate()
-    store = Store.open(tmp_path / "store", create=True)
+    store = open_store(tmp_path / "store", create=True)
     first = _commit(store, key, name="first")
     second = _commit(store, key, parent=first.id)
     stored = json.loads(_manifest_file(store, second).read_text())
@@ -66,14 +73,14 @@ def test_a_signed_manifest_verifies_and_names_its_signer(tmp_path: Path) -> None
     assert verify(again).state == "good" and verify(again).key == key.public
     # A point rebuilt from another's history is vouched for by that manifest's signature.
     _manifest_file(store, first).unlink()
-    back = Store.open(store.root).get(f"{second.id}~1")
+    back = open_store(store.root).get(f"{second.id}~1")
     assert back.id == first.id and back.signature is None and verify(back).state == "good"
     assert key.public.startswith("ed25519:") and len(fingerprint(key.public)) == 16
 
 
 def test_a_byte_changed_in_a_signed_manifest_makes_its_signature_bad(tmp_path: Path) -> None:
     key = SigningKey.generate()
-    store = Store.open(tmp_path / "store", create=True)
+    store = open_store(tmp_path / "store", create=True)
     point = _commit(store, key, name="point")
     path = _manifest_file(store, point)
     data = json.loads(path.read_text())
@@ -98,7 +105,7 @@ def test_a_byte_changed_in_a_signed_manifest_makes_its_signature_bad(tmp_path: P
 
 def test_only_the_homes_own_key_and_trusted_keys_pass(tmp_path: Path) -> None:
     a, b = _home(tmp_path, "a"), _home(tmp_path, "b")
-    store = Store.open(tmp_path / "shared", create=True)
+    store = open_store(tmp_path / "shared", create=True)
     point = _reread(store, _commit(store, signing_key(a)))
     check_signed(a, point, "run", local=False)  # its own
     with pytest.raises(UntrustedCheckpoint, match=f"signed by key {fingerprint(own_key(a) or '')}.*"
@@ -118,8 +125,8 @@ def test_unsigned_points_run_from_the_homes_own_store_and_elsewhere_only_when_al
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = _home(tmp_path, "home")
     monkeypatch.delenv("REWIND_ALLOW_UNSIGNED", raising=False)
-    own = Store.open(home.store, create=True)
-    shared = Store.open(tmp_path / "shared", create=True)
+    own = open_store(home.store, create=True)
+    shared = open_store(tmp_path / "shared", create=True)
     assert is_home_store(home, own) and not is_home_store(home, shared)
     point = _commit(shared, None)
     assert verify(point).state == "unsigned" and signer_of(home, point) == "unsigned"
@@ -139,7 +146,7 @@ def test_the_frozen_store_of_format_1_still_reads_its_points_as_unsigned(tmp_pat
     shutil.copytree(FROZEN, copy)
     for folder in ("tmp", "locks"):  # git keeps no empty folders
         (copy / folder).mkdir(exist_ok=True)
-    points = Store.open(copy).list()
+    points = open_store(copy).list()
     assert points and all(verify(p).state == "unsigned" for p in points)
 
 
@@ -200,11 +207,11 @@ def test_trust_add_list_and_remove(tmp_path: Path) -> None:
 
 def test_an_import_is_refused_unless_its_signer_is_trusted(tmp_path: Path) -> None:
     a, b = _home(tmp_path, "a"), _home(tmp_path, "b")
-    source = Store.open(tmp_path / "a-store", create=True)
+    source = open_store(tmp_path / "a-store", create=True)
     point = _commit(source, signing_key(a), name="travels")
     exported = tmp_path / "point.rewind"
     export_checkpoint(source, point.id, exported)
-    target = Store.open(tmp_path / "b-store", create=True)
+    target = open_store(tmp_path / "b-store", create=True)
 
     def check(manifest: CheckpointManifest) -> None:
         check_signed(b, manifest, "import", local=False)
@@ -237,7 +244,7 @@ def test_the_cli_shows_the_key_and_keeps_the_trust_list(tmp_path: Path) -> None:
     assert len(json.loads(rewind_cli("trust", "list", "--json", env=env).stdout)) == 1
     # `checkpoints` and `log` say who signed each point.
     home = Home(root=tmp_path / "home", images=tmp_path / "images")
-    store = Store.open(tmp_path / "shared", create=True)
+    store = open_store(tmp_path / "shared", create=True)
     mine = _commit(store, signing_key(home), name="mine")
     theirs = _commit(store, SigningKey.generate(), name="theirs", parent=mine.id)
     unsigned = _commit(store, None, name="old")

@@ -44,6 +44,7 @@ from rewind.store import (
     UnknownCheckpoint,
     export_checkpoint,
     import_checkpoint,
+    open_store,
 )
 from rewind.store.packs import read_index
 
@@ -59,7 +60,7 @@ def _no_stray_threads() -> Iterator[None]:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    return Store.open(tmp_path / "store", create=True, chunk_size=CS)
+    return open_store(tmp_path / "store", create=True, chunk_size=CS)
 
 
 def chunk_files(store: Store) -> set[str]:
@@ -106,7 +107,7 @@ segments = st.lists(st.tuples(st.sampled_from(["zero", "random", "ones"]), st.in
 
 @pytest.fixture(scope="module")
 def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Store:
-    return Store.open(tmp_path_factory.mktemp("shared") / "store", create=True, chunk_size=CS)
+    return open_store(tmp_path_factory.mktemp("shared") / "store", create=True, chunk_size=CS)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -374,7 +375,7 @@ def test_a_damaged_pack_is_reported_skipped_and_kept(store: Store, tmp_path: Pat
     with open(pack, "r+b") as f:
         f.seek(-16, os.SEEK_END)
         f.write(b"NOPE")
-    fresh = Store.open(store.root)
+    fresh = open_store(store.root)
     problems = fresh.check().problems
     assert f"pack {pack.name} is damaged: its trailer is not one" in problems
     assert sum("is missing" in p for p in problems) == 2
@@ -395,7 +396,7 @@ def test_a_manifest_is_parsed_once_until_its_file_changes(store: Store,
     parse = CheckpointManifest.from_json
     monkeypatch.setattr(CheckpointManifest, "from_json", lambda data: parses.append(1) or parse(data))
     assert store.get(point.id) == point and parses == []  # written by this Store
-    other = Store.open(store.root)
+    other = open_store(store.root)
     assert other.get(point.id) == other.get(point.id) == point and len(parses) == 1
     path = store.root / "checkpoints" / f"{point.id}.json"
     copy = path.with_name("copy")
@@ -416,8 +417,8 @@ def test_a_damaged_manifest_is_reported_and_stops_gc(store: Store) -> None:
 
 _CHILD = textwrap.dedent("""
     import os, signal, sys
-    from rewind.store import Store
-    store, where, src = Store.open(sys.argv[1]), sys.argv[2], sys.argv[3]
+    from rewind.store import Store, open_store
+    store, where, src = open_store(sys.argv[1]), sys.argv[2], sys.argv[3]
     die = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
     if where == "put_blob":
         store.put_blob(src, progress=lambda done, total: done >= total // 2 and die())
@@ -460,7 +461,7 @@ def test_out_of_space_leaves_nothing_visible(store: Store, monkeypatch: pytest.M
 
 
 def test_a_held_lock_makes_others_wait_then_fail_clearly(store: Store) -> None:
-    impatient = Store.open(store.root, lock_timeout=0.2)
+    impatient = open_store(store.root, lock_timeout=0.2)
     with store.lock(operation="long-job"):
         put(impatient, rand(CS))  # shared with shared: fine
         with pytest.raises(StoreBusy, match=r"busy: long-job \(pid \d+ .*shared.*waited 0.2 s for gc"):
@@ -483,7 +484,7 @@ def exported(store: Store, tmp_path: Path) -> tuple[Path, list[CheckpointManifes
 def test_export_and_import_round_trip(exported: tuple[Path, list[CheckpointManifest], list[bytes]],
                                       tmp_path: Path) -> None:
     path, points, datas = exported
-    target = Store.open(tmp_path / "target", create=True)  # another chunk size: blobs keep their own
+    target = open_store(tmp_path / "target", create=True)  # another chunk size: blobs keep their own
     imported = import_checkpoint(target, path)
     assert target.list() == [imported]
     assert all(point.meta.pop("imported") is True for point in (imported, *imported.history))
@@ -503,7 +504,7 @@ def test_an_export_is_its_owners_alone_and_a_relative_store_path_is_made_absolut
     path, _, _ = exported
     assert path.stat().st_mode & 0o777 == 0o600  # it holds a guest's memory
     monkeypatch.chdir(tmp_path)
-    assert Store.open("store").root == tmp_path / "store"
+    assert open_store("store").root == tmp_path / "store"
 
 
 @pytest.mark.parametrize("damage", ["cut-at-1/2", "cut-last-byte", "cut-after-magic", "flip-in-header",
@@ -528,7 +529,7 @@ def test_a_damaged_export_is_refused_and_adds_nothing(
     else:
         data = bytearray(b"PK\x03\x04 a zip file")
     path.write_bytes(data)
-    target = Store.open(tmp_path / "target", create=True)
+    target = open_store(tmp_path / "target", create=True)
     target.commit("m", {"ram": put(target, rand(CS, seed=42))})
     before = store_state(target)
     with pytest.raises(BadExport, match=re.escape(str(path))):
@@ -547,7 +548,7 @@ def test_a_bit_flipped_or_a_cut_at_any_offset_is_refused(
     path, _, _ = exported
     original = path.read_bytes()
     offsets = range(len(original)) if FUZZ_ALL else sorted(random.Random(11).sample(range(len(original)), 48))
-    target = Store.open(tmp_path / "target", create=True)
+    target = open_store(tmp_path / "target", create=True)
     target.commit("m", {"ram": put(target, rand(CS, seed=42))})
     before = store_state(target)
     tried = 0
@@ -591,7 +592,7 @@ def test_a_forged_manifest_is_refused_before_it_takes_memory(
     """A manifest of a few KB that claims many chunks is refused while parsing, with little memory."""
     path, _, _ = exported
     forge(path, change)
-    target = Store.open(tmp_path / "target", create=True)
+    target = open_store(tmp_path / "target", create=True)
     tracemalloc.start()
     try:
         with pytest.raises(BadExport, match="does not parse"):
@@ -672,22 +673,22 @@ def test_gc_writes_a_mostly_unused_pack_again_with_what_is_used(store: Store, tm
 
 def test_open_refuses_missing_and_damaged_stores(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="there is no checkpoint store at"):
-        Store.open(tmp_path / "nothing")
+        open_store(tmp_path / "nothing")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="holds other files"):
-        Store.open(tmp_path / "busy", create=True)
+        open_store(tmp_path / "busy", create=True)
     with pytest.raises(InvalidArgument, match="chunk size"):
-        Store.open(tmp_path / "odd", create=True, chunk_size=1000)
-    store = Store.open(tmp_path / "s", create=True, chunk_size=8192)
-    assert Store.open(tmp_path / "s", create=True).chunk_size == 8192  # set once, at creation
+        open_store(tmp_path / "odd", create=True, chunk_size=1000)
+    store = open_store(tmp_path / "s", create=True, chunk_size=8192)
+    assert open_store(tmp_path / "s", create=True).chunk_size == 8192  # set once, at creation
     (store.root / "config.json").write_text("{")
     with pytest.raises(StoreError, match="is damaged: config.json is unreadable"):
-        Store.open(store.root)
+        open_store(store.root)
     (store.root / "config.json").write_text('{"format": 1, "chunk_size": 8192}')
     (store.root / "chunks").rename(store.root / "lost")
     with pytest.raises(StoreError, match="is damaged: chunks missing"):
-        Store.open(store.root)
+        open_store(store.root)
 
 
 
@@ -711,7 +712,7 @@ def test_a_durable_materialize_syncs_before_the_name_appears(store: Store, tmp_p
 
 
 def test_gc_on_the_command_line_says_what_it_wrote_again(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "store", create=True, chunk_size=CS)
+    store = open_store(tmp_path / "store", create=True, chunk_size=CS)
     data = rand(4 * CS, seed=11)
     whole = store.commit("m", {"ram": put(store, data)})
     store.commit("m", {"ram": put(store, data[:CS])})
@@ -765,7 +766,7 @@ def test_a_frozen_format_1_store_still_reads(tmp_path: Path) -> None:
     shutil.copytree(FROZEN, root)
     for folder in ("tmp", "locks"):  # git keeps no empty folders
         (root / folder).mkdir(exist_ok=True)
-    store = Store.open(root)
+    store = open_store(root)
     assert json.loads((root / "config.json").read_text())["format"] == 2 and (root / "packs").is_dir()
     report = store.check(read_data=True)
     assert report.ok and (report.checkpoints, report.chunks) == (2, 7), report
@@ -792,7 +793,7 @@ def test_a_capture_committed_twice_is_committed_once(tmp_path: Path) -> None:
     """A committer killed after writing the manifest, before removing its journal, is run again
     by the next reader: that second commit must find the point stored, not fail (which left
     the journal in place and every store command failing with it)."""
-    store = Store.open(tmp_path / "store", create=True)
+    store = open_store(tmp_path / "store", create=True)
     caches = Caches.of(tmp_path / "home", tmp_path / "runtime")
     (tmp_path / "ram").write_bytes(os.urandom(128 << 10))
     (tmp_path / "devstate").write_bytes(b"devices")

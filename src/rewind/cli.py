@@ -609,11 +609,11 @@ def rm(names: tuple[str, ...], as_json: bool) -> None:
 def _store(store_dir: str | None) -> Store:
     """The store, with every checkpoint still being stored in it (see engine/pending.py). An
     encrypted one's password is asked for on the terminal when the environment has none."""
-    from rewind.sandbox import open_store
+    from rewind.sandbox import store_of
 
     engine = _engine()
     engine.settle()
-    return open_store(engine.home, store_dir, password=_ask_password("store password"))
+    return store_of(engine.home, store_dir, password=_ask_password("store password"))
 
 
 def _ask_password(prompt: str, confirm: bool = False) -> Callable[[], str]:
@@ -847,7 +847,7 @@ def restore(name: str, ref: str, store_dir: str | None, allow_unsigned: bool, as
 def create(name: str, source: str, at: str | None, labels: tuple[str, ...], store_dir: str | None,
            allow_unsigned: bool, as_json: bool) -> None:
     """Start a new machine NAME from a checkpoint."""
-    from rewind.sandbox import open_store
+    from rewind.sandbox import store_of
 
     unsigned = _unsigned(allow_unsigned)
     remote, wanted = _remote(), parse_pairs(labels, "--label")
@@ -857,7 +857,7 @@ def create(name: str, source: str, at: str | None, labels: tuple[str, ...], stor
         from rewind.engine import timeline
 
         engine = _engine()  # a point not yet stored runs from its capture: no settle here
-        info = timeline.create_from(engine, open_store(engine.home, store_dir), _source(source), name=name,
+        info = timeline.create_from(engine, store_of(engine.home, store_dir), _source(source), name=name,
                                     labels=wanted, at=at, allow_unsigned=unsigned).info()
     if as_json:
         emit_json(dataclasses.asdict(info))
@@ -960,7 +960,7 @@ def store_group() -> None:
 @json_option
 def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_json: bool) -> None:
     """Make a checkpoint store: a folder, or s3://bucket/prefix."""
-    from rewind.store import DEFAULT_CHUNK_SIZE, Store
+    from rewind.store import DEFAULT_CHUNK_SIZE, open_store
     from rewind.store.backends import is_remote
 
     _local_only("store init")
@@ -968,7 +968,7 @@ def store_init(encrypt: bool, chunk_size: str | None, store_dir: str | None, as_
     if not is_remote(spec) and (Path(spec) / "config.json").exists():
         raise InvalidArgument(f"there is a checkpoint store at {spec} already")
     size = DEFAULT_CHUNK_SIZE if chunk_size is None else _parse_bytes(chunk_size)
-    store = Store.open(spec, create=True, chunk_size=size, encrypt=encrypt,
+    store = open_store(spec, create=True, chunk_size=size, encrypt=encrypt,
                        password=_ask_password("password of the new store", confirm=True))
     if as_json:
         emit_json({"store": store.where, "encrypted": store.encrypted, "key": store.key_id})
@@ -1473,7 +1473,7 @@ def _daemon_status(as_json: bool) -> dict[str, Any]:
 
 def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
     """Which store is in use, and whether it answers (doctor)."""
-    from rewind.store import Store, StoreError, WrongPassword
+    from rewind.store import StoreError, WrongPassword, open_store
     from rewind.store.backends import is_remote
     from rewind.store.cache import CachedStore
 
@@ -1484,7 +1484,7 @@ def _store_status(engine: Engine, as_json: bool) -> dict[str, Any]:
         return {"store": spec, "store_status": "a folder on this host" + (", encrypted" if encrypted else "")
                 + ("" if made else ", not made yet")}
     try:
-        store = Store.open(spec, create=True, home=engine.home.root)
+        store = open_store(spec, create=True, home=engine.home.root)
     except WrongPassword as e:
         return {"store": spec, "store_status": f"encrypted, not opened: {e}"}
     except StoreError as e:

@@ -88,14 +88,14 @@ def with_upload_state(points: list[Checkpoint], store: Store | None) -> list[Che
     return [dataclasses.replace(c, uploaded=c.id not in queued) for c in points]
 
 
-def open_store(home: Home, store: str | os.PathLike[str] | None, password: PasswordSource = None) -> Store:
+def store_of(home: Home, store: str | os.PathLike[str] | None, password: PasswordSource = None) -> Store:
     """The store named (a folder or s3://bucket/prefix), else $REWIND_STORE, else the home's.
     An encrypted one takes its password from `password`, else $REWIND_PASSWORD_FILE, else
-    $REWIND_PASSWORD (Store.open): every process of the home that opens it (its committers
+    $REWIND_PASSWORD (open_store): every process of the home that opens it (its committers
     too) needs one of those."""
-    from rewind.store import Store
+    from rewind.store import open_store
 
-    return Store.open(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root,
+    return open_store(store or os.environ.get("REWIND_STORE") or home.store, create=True, home=home.root,
                       password=password)
 
 MAX_CONTEXT = 64 * 1024
@@ -129,7 +129,7 @@ class Sandbox:
 
     @property
     def _store(self) -> Store:
-        return open_store(self._machine.home, self._store_path)
+        return store_of(self._machine.home, self._store_path)
 
     # ---- finding and creating ----
 
@@ -173,7 +173,7 @@ class Sandbox:
         if from_checkpoint is not None:
             from rewind.engine import timeline  # the capture and commit code: 30-44 ms to import
 
-            machine = timeline.create_from(engine, open_store(engine.home, store), from_checkpoint, name=name,
+            machine = timeline.create_from(engine, store_of(engine.home, store), from_checkpoint, name=name,
                                            labels=labels, at=at, network=rules, allow_unsigned=allow_unsigned)
         else:
             machine = engine.create(name, memory_mib=memory, cpus=cpus, disk_mib=disk, labels=labels,

@@ -20,7 +20,7 @@ import sys
 from io import BytesIO
 from pathlib import Path
 
-from rewind.store import Store
+from rewind.store import open_store
 
 PASSWORD = "frozen-store-password"
 DEST = Path(__file__).parent / "store-encrypted"
@@ -34,7 +34,7 @@ def pattern(seed: int, n: int) -> bytes:
 def main() -> None:
     if DEST.exists():
         sys.exit(f"{DEST} exists: the frozen store is never made again")
-    store = Store.open(DEST, create=True, encrypt=True, password=PASSWORD)
+    store = open_store(DEST, create=True, encrypt=True, password=PASSWORD)
     ram = pattern(1, 128 << 10) + bytes(64 << 10)
     devstate = b"device state of a frozen test store\n" * 100
     first = store.commit("frozen", {"ram": store.put_blob(BytesIO(ram), chunk_size=65536),

@@ -18,7 +18,7 @@ from rewind.engine.engine import Engine
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.sandbox import Sandbox
-from rewind.store import Store
+from rewind.store import open_store
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -128,7 +128,7 @@ def machines_and_exec(home: Home, report: Report, rounds: int, progress: Progres
 def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: Progress) -> Sandbox:
     """Checkpoints, restores, branches and the store, on one machine (returned, still running)."""
     sbx = Sandbox.create("bench", home=home)
-    store = Store.open(home.store, create=True)
+    store = open_store(home.store, create=True)
     progress("checkpoints: the first one (it stores the image's root disk)")
     first = sbx.checkpoint(wait=True)
     one_mib = du_mib(home.store)
@@ -265,7 +265,7 @@ def memory_curve(sbx: Sandbox, touched: list[int], report: Report, progress: Pro
     memory = sbx.info().memory_mib
     progress(f"checkpoint cost against memory in use ({', '.join(map(str, touched))} MiB, "
              f"{memory} MiB machine)")
-    store = Store.open(sbx._machine.home.store)
+    store = open_store(sbx._machine.home.store)
     points = []
     for mib in touched:
         touch_memory(sbx, mib)

@@ -34,7 +34,7 @@ from rewind.engine.engine import Engine
 from rewind.home import Home
 from rewind.sandbox import Sandbox
 from rewind.signers import signing_key, trust
-from rewind.store import Store
+from rewind.store import open_store
 from rewind.store.cache import CachedStore
 from rewind.store.signing import parse_public, signed_bytes
 
@@ -151,10 +151,10 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
     try:
         # The password in the environment: the committers of the encrypted stores need it.
         with _env({**server.env, "REWIND_STORE": url, "REWIND_PASSWORD": PASSWORD}):
-            bucket = Store.open(url, create=True, home=a.root)
+            bucket = open_store(url, create=True, home=a.root)
             assert isinstance(bucket, CachedStore)
-            Store.open(secret_url, create=True, encrypt=True, home=a.root)
-            Store.open(secret_folder, create=True, encrypt=True)
+            open_store(secret_url, create=True, encrypt=True, home=a.root)
+            open_store(secret_folder, create=True, encrypt=True)
             # One machine per store, doing the same work: a point's memory is compared with its
             # parent's, which must be in the same store.
             to_folder = Sandbox.create(home=a, store=str(local))
@@ -196,7 +196,7 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
             copy = Sandbox.create(from_checkpoint=f"bench-{rounds - 1}", home=b)
             copy.exec("echo changed-in-home-b > /root/mark", check=True)
             theirs = copy.checkpoint(wait=True)
-            other = Store.open(url, home=b.root)
+            other = open_store(url, home=b.root)
             assert isinstance(other, CachedStore)
             sent_copy.append(uploads(other)[theirs.id]["bytes"] / (1 << 20))
             copy.delete()
@@ -243,7 +243,7 @@ def run_s3(tmp: Path, images: Path, report: Report, rounds: int, progress: Progr
 def _signing_seconds(home: Home, store_path: Path, point_id: str, repeats: int = 5) -> list[float]:
     """What signing a point's manifest (at its commit) and checking it (at a restore) take,
     on the manifest as stored: one Ed25519 signature each over its canonical bytes."""
-    manifest = Store.open(store_path).get(point_id)
+    manifest = open_store(store_path).get(point_id)
     key, data = signing_key(home), manifest.to_json()
     times = []
     for _ in range(repeats):

@@ -47,7 +47,7 @@ def finish_interrupted_restore(machine: Machine) -> None:
     # loads a machine (python -X importtime).
     from rewind.engine.checkpoint import Caches
     from rewind.engine.points import locate
-    from rewind.store import Store
+    from rewind.store import open_store
 
     with machine.locked():  # waits for a restore still under way
         machine.reload()
@@ -56,7 +56,7 @@ def finish_interrupted_restore(machine: Machine) -> None:
         if handoff is None:
             return
         try:
-            state = locate(machine.home, Store.open(Path(handoff.store)), handoff.point).state()
+            state = locate(machine.home, open_store(Path(handoff.store)), handoff.point).state()
         except NotFound:
             _resume_handed_off(machine, handoff, Caches.of(machine.home.root,
                                                            private_runtime(machine.home.runtime)))

@@ -46,7 +46,7 @@ from rewind.engine.snapshot import (
 )
 from rewind.errors import RewindError
 from rewind.home import Home
-from rewind.store import Store, StoreError, take_unlocked, unlocked_for_child
+from rewind.store import Store, StoreError, open_store, take_unlocked, unlocked_for_child
 from rewind.store.durable import append_line, replace_durably
 from rewind.store.locks import is_held
 
@@ -258,7 +258,7 @@ def _opened(home: Home, path: str) -> Store:
     this home's: its committer runs for it, with the same home)."""
     from rewind.signers import signing_key  # the cipher library, only where a commit needs it
 
-    store = Store.open(path)
+    store = open_store(path)
     store.signer = signing_key(home)
     return store
 

@@ -16,7 +16,7 @@ from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import HERE, NO_OPTIONS, UNKNOWN, Options, Word, file_words, literal, remote_url
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 Entry = Callable[["Call"], list["Rule"]]
 

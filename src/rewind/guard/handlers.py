@@ -51,7 +51,7 @@ from rewind.guard.words import (
 )
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 # python -m NAME runs the program NAME, but for these
 _MODULE_PROGRAMS = {"pip3": "pip"}

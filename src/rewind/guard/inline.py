@@ -21,7 +21,7 @@ from rewind.guard.verdicts import Kind, Rule
 from rewind.guard.words import UNKNOWN, literal, remote_url
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 # Modules whose functions only compute or read (a few of their writers are listed below).
 _READING_MODULES = frozenset({

@@ -24,7 +24,7 @@ from rewind.guard.inline import SOCKET, Reading, unread
 from rewind.guard.verdicts import Kind, Rule
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 _LANGUAGE = tree_sitter.Language(tree_sitter_javascript.language())
 

@@ -25,7 +25,7 @@ from rewind.guard.inline import SOCKET, Reading, unread
 from rewind.guard.verdicts import Kind, Rule
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 # A string whose value is written out: no interpolation ($, @ in Perl; #{} in Ruby), known escapes
 _STRING = re.compile(r"'((?:[^'\\]|\\.)*)'" r'|"((?:[^"\\$@#]|\\[nt"\\])*)"', re.DOTALL)

@@ -33,7 +33,7 @@ from rewind.guard.entries import (
 from rewind.guard.verdicts import Kind, Rule
 
 if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+    from rewind.guard.call import Call
 
 DATA = "tools.toml"
 _LOCAL = Rule(Kind.FORK, "changes this machine outside the project")

@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rewind.guard.walker import Call
+from typing import Protocol
 
 
 class Kind(enum.StrEnum):
@@ -41,6 +38,12 @@ class Kind(enum.StrEnum):
 _RANKS = {kind: rank for rank, kind in enumerate(Kind)}
 
 
+class Judged(Protocol):
+    """The one thing a Rule asks of the program run it judges (call.Call)."""
+
+    def locally(self, rule: Rule) -> Rule: ...
+
+
 @dataclass(frozen=True)
 class Rule:
     """A verdict: the kind, and what the program does, as the end of a sentence.
@@ -55,7 +58,7 @@ class Rule:
     source: str | None = None
     unknown: str | None = None
 
-    def __call__(self, call: Call) -> list[Rule]:
+    def __call__(self, call: Judged) -> list[Rule]:
         return [call.locally(self)]
 
     def sourced(self, source: str) -> Rule:

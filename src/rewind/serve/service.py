@@ -23,7 +23,7 @@ from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.userrules import find_rules
 from rewind.home import Home
 from rewind.results import LOCAL_HOST, Checkpoint, Command, ExecResult, Refused
-from rewind.sandbox import Sandbox, history_of, open_store, try_in_copy
+from rewind.sandbox import Sandbox, history_of, store_of, try_in_copy
 from rewind.serve import wire
 from rewind.serve.budget import Admission, Budget
 from rewind.serve.metrics import Metrics, measured
@@ -80,7 +80,7 @@ class Service:
         """The store; `settled`: once every checkpoint still being written is in it."""
         if settled:
             Engine(self.home).settle()
-        return open_store(self.home, self.store_path)
+        return store_of(self.home, self.store_path)
 
     # ---- machines ----
 

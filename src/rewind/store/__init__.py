@@ -20,13 +20,14 @@ _EXPORTS = {
     **{name: "rewind.store.store" for name in (
         "DEFAULT_CHUNK_SIZE", "CheckReport", "GcReport", "Progress", "Store", "new_checkpoint_id")},
     "export_checkpoint": "rewind.store.transfer", "import_checkpoint": "rewind.store.transfer",
+    "open_store": "rewind.store.opening",
 }
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "DEFAULT_HISTORY", "BadExport", "BadRef", "BlobIndex", "CheckReport",
     "CheckpointExists", "CheckpointManifest", "CorruptChunk", "GcReport", "HistoryEntry", "Progress",
     "Store", "StoreBusy", "StoreError", "UnknownCheckpoint", "UntrustedCheckpoint", "WrongPassword",
     "export_checkpoint",
-    "import_checkpoint", "new_checkpoint_id", "take_unlocked", "unlocked_for_child",
+    "import_checkpoint", "new_checkpoint_id", "open_store", "take_unlocked", "unlocked_for_child",
 ]
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         WrongPassword,
     )
     from rewind.store.model import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, HistoryEntry
+    from rewind.store.opening import open_store
     from rewind.store.store import (
         DEFAULT_CHUNK_SIZE,
         CheckReport,

@@ -1,6 +1,6 @@
 """A store in a bucket, with a store folder on this host in front of it as its cache.
 
-`Store.open("s3://bucket/prefix")` gives a CachedStore: a Store whose folder is
+`open_store("s3://bucket/prefix")` gives a CachedStore: a Store whose folder is
 `$REWIND_HOME/cache/s3/<bucket>-<8 hex>/` (a store folder as in docs/format.md §2, plus
 `remote.json`, `outbox/` and `uploads.jsonl`), so the engine uses it as it uses any store.
 
@@ -71,7 +71,15 @@ from rewind.store.remote import (
     name_key,
     remote_lock,
 )
-from rewind.store.store import CheckReport, GcReport, Store, _create, default_lock_timeout
+from rewind.store.store import (
+    CheckReport,
+    Folder,
+    GcReport,
+    Store,
+    _create,
+    check_folder,
+    default_lock_timeout,
+)
 
 if TYPE_CHECKING:
     from rewind.store.crypto import Keys, KeySlot, PasswordSource
@@ -167,11 +175,19 @@ def open_remote(url: str, create: bool, chunk_size: int, lock_timeout: float | N
             return CachedStore.of_folder(root, config["chunk_size"],
                                          default_lock_timeout() if lock_timeout is None else lock_timeout,
                                          encrypted=True, keys=made)
-    store = Store.open(root, lock_timeout=lock_timeout, password=password)
-    assert isinstance(store, CachedStore)
+    store = open_cache(check_folder(root), lock_timeout, password)
     if encrypt and not store.encrypted:
         raise InvalidArgument(f"there is a checkpoint store at {url} already, and it is not encrypted")
     return store
+
+
+def open_cache(folder: Folder, lock_timeout: float | None = None,
+               password: PasswordSource = None) -> CachedStore:
+    """The store in a bucket whose cache is the checked `folder` (check_folder, with a
+    remote.json); an encrypted one opened with its password."""
+    return CachedStore.of_folder(folder.root, folder.chunk_size,
+                                 default_lock_timeout() if lock_timeout is None else lock_timeout,
+                                 encrypted=folder.encrypted, password=password)
 
 
 def _bucket_config(objects: ObjectStore, url: str, create: bool, chunk_size: int, encrypt: bool,
@@ -796,11 +812,12 @@ def main(argv: list[str] | None = None) -> None:
 
             secret = json.loads(given)
             keys = crypto.Keys.from_json(secret["keys"]), secret["key_id"]
-        store = Store.open(args[1]) if keys is None else _open_with(Path(args[1]), keys)
+        folder = check_folder(args[1])
+        if not folder.cache:
+            sys.exit(f"{args[1]} is not the cache of a remote store")
+        store = open_cache(folder) if keys is None else _open_with(folder.root, keys)
     except (StoreError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"{time.strftime('%F %T')} cannot open the cache {args[1]}: {e}")
-    if not isinstance(store, CachedStore):
-        sys.exit(f"{args[1]} is not the cache of a remote store")
     try:
         report = store.push()
     except StoreError as e:

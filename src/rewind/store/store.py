@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from rewind.errors import InvalidArgument
 from rewind.store import model
-from rewind.store.backends import is_remote
 from rewind.store.disk import (
     MAX_CHUNK_SIZE,
     WORKERS,
@@ -134,8 +133,56 @@ def new_checkpoint_id() -> str:
     return secrets.token_hex(16)
 
 
+@dataclass(frozen=True)
+class Folder:
+    """A store folder whose config was read and checked: what opening it needs."""
+
+    root: Path
+    chunk_size: int
+    encrypted: bool
+    cache: bool  # the cache of a store in a bucket (cache.py): it has a remote.json
+    made: tuple[Keys, str] | None = None  # its keys, when it was just made: scrypt once, not twice
+
+
+def check_folder(path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 encrypt: bool = False, password: PasswordSource = None) -> Folder:
+    """The store folder at `path`, checked (made first if `create` and it is not there, with
+    `chunk_size`, encrypted if `encrypt`); StoreError if it is none or damaged."""
+    # Absolute: the store's path is recorded in journals that committers read from elsewhere.
+    root = Path(path).absolute()
+    made: tuple[Keys, str] | None = None
+    if not (root / "config.json").exists():
+        if not create:
+            raise StoreError(f"there is no checkpoint store at {root}")
+        made = _create(root, chunk_size, password if encrypt else False)
+    try:
+        config = json.loads((root / "config.json").read_bytes())
+        version, chunk_size = config["format"], config["chunk_size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StoreError(f"the checkpoint store at {root} is damaged: "
+                         f"config.json is unreadable ({e})") from e
+    if version not in (1, STORE_FORMAT, ENCRYPTED_FORMAT):
+        raise StoreError(f"the checkpoint store at {root} has format {version!r}, which this rewind "
+                         f"does not know (it knows 1 to {ENCRYPTED_FORMAT})")
+    if not _valid_chunk_size(chunk_size):
+        raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
+    if version != ENCRYPTED_FORMAT and (root / "keys").exists():
+        # A writer of the folder may have turned an encrypted store's config back to plain:
+        # never write in the clear beside its sealed objects.
+        raise StoreError(f"the checkpoint store at {root} is damaged: it has key files but its "
+                         f"config.json says format {version}, not {ENCRYPTED_FORMAT}")
+    dirs = (*_DIRS, "keys") if version == ENCRYPTED_FORMAT else _DIRS
+    missing = [d for d in dirs if not (root / d).is_dir() and (d, version) != ("packs", 1)]
+    if missing:
+        raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
+    if version == 1:
+        _upgrade(root, chunk_size)
+    return Folder(root, chunk_size, encrypted=version == ENCRYPTED_FORMAT,
+                  cache=(root / "remote.json").exists(), made=made)
+
+
 class Store:
-    """A checkpoint store directory. Get one with Store.open()."""
+    """A checkpoint store directory. Get one with open_store() (opening.py)."""
 
     def __init__(self, root: Path, chunk_size: int, lock_timeout: float, keys: Keys | None = None,
                  key_id: str | None = None) -> None:
@@ -174,67 +221,20 @@ class Store:
         return str(self.root)
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], create: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
-             lock_timeout: float | None = None, home: os.PathLike[str] | None = None,
-             encrypt: bool = False, password: PasswordSource = None) -> Store:
-        """Open the store at `path`; with create=True, make it first if it is not there
-        (`chunk_size` and `encrypt` only matter then). Locks are waited for up to
-        `lock_timeout` s (default: $REWIND_LOCK_TIMEOUT, else 30).
-
-        An encrypted store (made with encrypt=True) needs its password: `password`, else
-        $REWIND_PASSWORD_FILE's content, else $REWIND_PASSWORD, else what `password` (a
-        function) asks for; WrongPassword if none opens it. A plain store ignores it.
-
-        `path` may also be `s3://bucket/prefix`: a store in a bucket, used through a store
-        folder on this host as its cache (a CachedStore, cache.py), kept under `home`
-        (default: $REWIND_HOME); encrypted, its key files are in the bucket."""
-        if is_remote(path):
-            from rewind.store.cache import open_remote
-
-            return open_remote(str(path), create, chunk_size, lock_timeout, home, encrypt, password)
-        # Absolute: the store's path is recorded in journals that committers read from elsewhere.
-        root = Path(path).absolute()
-        made: tuple[Keys, str] | None = None
-        if not (root / "config.json").exists():
-            if not create:
-                raise StoreError(f"there is no checkpoint store at {root}")
-            made = _create(root, chunk_size, password if encrypt else False)
-        try:
-            config = json.loads((root / "config.json").read_bytes())
-            version, chunk_size = config["format"], config["chunk_size"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"the checkpoint store at {root} is damaged: "
-                             f"config.json is unreadable ({e})") from e
-        if version not in (1, STORE_FORMAT, ENCRYPTED_FORMAT):
-            raise StoreError(f"the checkpoint store at {root} has format {version!r}, which this rewind "
-                             f"does not know (it knows 1 to {ENCRYPTED_FORMAT})")
-        if not _valid_chunk_size(chunk_size):
-            raise StoreError(f"the checkpoint store at {root} is damaged: bad chunk size {chunk_size!r}")
-        if version != ENCRYPTED_FORMAT and (root / "keys").exists():
-            # A writer of the folder may have turned an encrypted store's config back to plain:
-            # never write in the clear beside its sealed objects.
-            raise StoreError(f"the checkpoint store at {root} is damaged: it has key files but its "
-                             f"config.json says format {version}, not {ENCRYPTED_FORMAT}")
-        dirs = (*_DIRS, "keys") if version == ENCRYPTED_FORMAT else _DIRS
-        missing = [d for d in dirs if not (root / d).is_dir() and (d, version) != ("packs", 1)]
-        if missing:
-            raise StoreError(f"the checkpoint store at {root} is damaged: {', '.join(missing)} missing")
-        if version == 1:
-            _upgrade(root, chunk_size)
+    def in_folder(cls, folder: Folder, lock_timeout: float | None = None,
+                  password: PasswordSource = None) -> Store:
+        """The store in a checked folder (check_folder) that is no bucket's cache; an
+        encrypted one opened with its password (see opening.open_store)."""
         if lock_timeout is None:
             lock_timeout = default_lock_timeout()
-        if (root / "remote.json").exists():  # the cache of a store in a bucket
-            from rewind.store.cache import CachedStore
-
-            return CachedStore.of_folder(root, chunk_size, lock_timeout,
-                                         encrypted=version == ENCRYPTED_FORMAT, password=password)
-        if version != ENCRYPTED_FORMAT:
-            return cls(root, chunk_size, lock_timeout)
+        if not folder.encrypted:
+            return cls(folder.root, folder.chunk_size, lock_timeout)
+        made = folder.made
         if made is None:
             from rewind.store import crypto
 
-            made = crypto.unlock(root / "keys", crypto.password(password, root), root)
-        return cls(root, chunk_size, lock_timeout, keys=made[0], key_id=made[1])
+            made = crypto.unlock(folder.root / "keys", crypto.password(password, folder.root), folder.root)
+        return cls(folder.root, folder.chunk_size, lock_timeout, keys=made[0], key_id=made[1])
 
     @contextmanager
     def lock(self, exclusive: bool = False, operation: str = "write") -> Iterator[None]:
