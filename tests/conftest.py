@@ -22,7 +22,7 @@ import pytest
 from rewind import Home, RewindError, Sandbox
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.engine import Engine
-from rewind.engine.qemu import process_alive
+from rewind.engine.process.qemu import process_alive
 from rewind.image import build_image
 
 

@@ -14,7 +14,7 @@ import pytest
 import rewind
 import rewind.errors
 from rewind.engine.engine import Engine
-from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.process.qmp import Monitor, MonitorError
 from rewind.home import Home
 
 # Changing this list changes what users may import: do it on purpose.

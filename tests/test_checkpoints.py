@@ -22,8 +22,8 @@ from rewind.engine import machine as machine_module
 from rewind.engine import pending, timeline
 from rewind.engine.checkpoint import Caches, blob_digest
 from rewind.engine.engine import Engine
-from rewind.engine.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
-from rewind.engine.qmp import Monitor
+from rewind.engine.process.qemu import QMP_SOCKET, guest_ram_ranges, process_alive
+from rewind.engine.process.qmp import Monitor
 from rewind.store import BlobIndex, CheckpointExists, CorruptChunk, open_store
 
 # A process that keeps a count in memory and writes it to a file at each step, checking

@@ -24,7 +24,7 @@ from invariants import assert_home_whole, ok, wait_until
 from rewind import Home, Sandbox
 from rewind.crashpoints import CRASH_ENV, LOG_ENV
 from rewind.engine import pending
-from rewind.engine.qemu import process_alive
+from rewind.engine.process.qemu import process_alive
 
 SWEEP_ENV = "REWIND_CRASH_SWEEP"
 FULL = os.environ.get(SWEEP_ENV) == "all"

@@ -13,7 +13,7 @@ from conftest import rewind_cli
 from serving import served
 
 from rewind import Home, Sandbox, try_in_copy
-from rewind.engine.filediff import is_noise
+from rewind.engine.changes.filediff import is_noise
 
 LISTENER = ("python3 -c 'import socket, time; s = socket.socket(); s.bind((\"0.0.0.0\", 8123)); "
             "s.listen(); time.sleep(3600)'")

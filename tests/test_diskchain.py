@@ -1,4 +1,4 @@
-"""Frozen disk layers merged for starting QEMU (engine/diskchain.py)."""
+"""Frozen disk layers merged for starting QEMU (engine/disk/diskchain.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 from invariants import unrecorded_processes
 
 from rewind import Home, Sandbox
-from rewind.engine import diskchain
+from rewind.engine.disk import diskchain
+from rewind.engine.disk.qcow2 import Chain
 from rewind.engine.engine import Engine
-from rewind.engine.qcow2 import Chain
 
 
 def _files_qemu_opens(sbx: Sandbox) -> int:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine import filediff
-from rewind.engine.filediff import Disk, IndexCache, diff_disks
-from rewind.engine.qcow2 import Chain, LayerError
+from rewind.engine.changes import filediff
+from rewind.engine.changes.filediff import Disk, IndexCache, diff_disks
+from rewind.engine.disk.qcow2 import Chain, LayerError
 
 CHANGES = """\
 rm /a/x.txt

@@ -242,7 +242,7 @@ def test_a_known_program_is_watched_in_its_copy_too(home: Home) -> None:
 
 
 def test_a_copy_may_fetch_only_from_registries_the_machine_may_reach() -> None:
-    from rewind.engine.netrules import NetworkRules
+    from rewind.engine.network.netrules import NetworkRules
     from rewind.guard.watch import REGISTRIES, watched_rules
 
     everything = watched_rules(NetworkRules())

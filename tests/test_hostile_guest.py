@@ -14,9 +14,10 @@ import pytest
 from invariants import wait_until
 
 from rewind import AgentGone, Home, RewindError, Sandbox
-from rewind.engine import agent, netfilter
-from rewind.engine.packetfilter import MAX_ATTEMPTS
-from rewind.engine.qemu import AGENT_CHARDEV
+from rewind.engine import agent
+from rewind.engine.network import netfilter
+from rewind.engine.network.packetfilter import MAX_ATTEMPTS
+from rewind.engine.process.qemu import AGENT_CHARDEV
 from rewind.guest.agent import PORT_PREFIX
 
 DNS_QUESTIONS = 20_000

@@ -22,6 +22,12 @@ NEVER = {
     "rewind.guard": ("rewind.serve", "rewind.sandbox", "rewind.cli", "rewind.fleet", "rewind.bench"),
     "rewind.guest": ("rewind.engine", "rewind.store", "rewind.guard", "rewind.serve", "rewind.sandbox",
                      "rewind.cli"),
+    # The engine's parts, below the machines and their history:
+    **dict.fromkeys(("rewind.engine.process", "rewind.engine.memory", "rewind.engine.disk",
+                     "rewind.engine.network"),
+                    ("rewind.engine.engine", "rewind.engine.machine", "rewind.engine.timeline",
+                     "rewind.engine.handoff", "rewind.engine.points", "rewind.engine.pending",
+                     "rewind.engine.checkpoint", "rewind.engine.changes", "rewind.guard", "rewind.serve")),
     # The ground floor the faces share (the guard's verdicts, a leaf, travel in its Refused).
     "rewind.results": ("rewind.engine", "rewind.store", "rewind.guard.classify", "rewind.serve",
                        "rewind.sandbox"),

@@ -18,10 +18,11 @@ from invariants import unrecorded_processes
 from test_checkpoints import ASK, SERVER
 
 from rewind import Home, Sandbox, try_in_copy
-from rewind.engine import pagecapture, pending, prefault, ramcache, snapshot, timeline
+from rewind.engine import pending, timeline
 from rewind.engine.engine import Engine
-from rewind.engine.migstream import has_configuration
-from rewind.engine.qemu import PID_FILE, process_alive, qemu_build
+from rewind.engine.memory import pagecapture, prefault, ramcache, snapshot
+from rewind.engine.memory.migstream import has_configuration
+from rewind.engine.process.qemu import PID_FILE, process_alive, qemu_build
 from rewind.errors import NotFound
 from rewind.store import open_store
 

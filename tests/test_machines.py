@@ -27,8 +27,8 @@ from rewind import (
 )
 from rewind.engine import machine as machine_module
 from rewind.engine.engine import Engine
-from rewind.engine.memfiles import private_runtime
-from rewind.engine.qemu import process_alive
+from rewind.engine.memory.memfiles import private_runtime
+from rewind.engine.process.qemu import process_alive
 from rewind.image import find_image, import_image
 
 
@@ -270,7 +270,7 @@ def test_the_agent_restarts_with_the_guests_python_and_libc_gone(home: Home) -> 
 def test_what_a_guest_prints_on_its_console_is_kept_bounded(sbx: Sandbox) -> None:
     """Root in the guest writing to the serial console without end fills at most console.log
     and console.log.1, each under the bound; the newest output is in console.log."""
-    from rewind.engine import packetfilter
+    from rewind.engine.network import packetfilter
 
     limit = packetfilter.CONSOLE_LOG_MAX
     sbx.exec(f"head -c {limit + limit // 2} /dev/zero | tr '\\0' x > /dev/ttyS0; echo the-end > /dev/ttyS0",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rewind.engine import migstream
-from rewind.engine.migstream import FILE_MAGIC, FILE_VERSION, split_stream, write_with_pages
+from rewind.engine.memory import migstream
+from rewind.engine.memory.migstream import FILE_MAGIC, FILE_VERSION, split_stream, write_with_pages
 
 
 def _split(tmp_path: Path, stream: bytes) -> tuple[dict, int]:
@@ -24,8 +24,9 @@ def _split(tmp_path: Path, stream: bytes) -> tuple[dict, int]:
     read_end, write_end = os.pipe()
     ready_r, ready_w = os.pipe()
     ram = os.open(tmp_path / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
-    proc = subprocess.Popen([sys.executable, "-m", "rewind.engine.migstream", str(read_end), str(ram), "ram0",
-                             *(str(tmp_path / name) for name in ("devstate", "done", "front")), str(ready_w)],
+    proc = subprocess.Popen([sys.executable, "-m", "rewind.engine.memory.migstream", str(read_end), str(ram),
+                             "ram0", *(str(tmp_path / name) for name in ("devstate", "done", "front")),
+                             str(ready_w)],
                             pass_fds=(read_end, ram, ready_w))
     for fd in (read_end, ram, ready_w):
         os.close(fd)

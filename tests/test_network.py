@@ -18,7 +18,7 @@ import pytest
 from invariants import wait_until
 
 from rewind import Home, InvalidArgument, Sandbox
-from rewind.engine.netrules import NetworkRules
+from rewind.engine.network.netrules import NetworkRules
 
 
 class Listener:
@@ -383,7 +383,7 @@ def dns_answer(rules: NetworkRules, name: str, resolves_to: list[str],
     import dns.rcode
     import dpkt
 
-    from rewind.engine.packetfilter import Filter
+    from rewind.engine.network.packetfilter import Filter
 
     async def resolve(_name: str) -> list[str]:
         return resolves_to
@@ -423,7 +423,7 @@ def test_the_filter_remembers_what_it_refused() -> None:
     each refused destination once, by protocol, address and port, and refused name lookups."""
     import dpkt
 
-    from rewind.engine.packetfilter import Filter
+    from rewind.engine.network.packetfilter import Filter
 
     flt = Filter(NetworkRules.parse(internet=False), Captured(), Captured())
 

@@ -8,8 +8,8 @@ import os
 from array import array
 from pathlib import Path
 
-from rewind.engine import pagecapture
-from rewind.engine.prefault import PAGE
+from rewind.engine.memory import pagecapture
+from rewind.engine.memory.prefault import PAGE
 from rewind.store.locks import acquire, is_held
 
 PAGES = 32

@@ -12,7 +12,7 @@ from conftest import rewind_cli
 from rewind import Home, Sandbox, try_in_copy
 from rewind.engine import pending
 from rewind.engine.engine import Engine
-from rewind.engine.qemu import QEMU_ENV, qemu_build
+from rewind.engine.process.qemu import QEMU_ENV, qemu_build
 from rewind.errors import NeedsNewerQemu
 from rewind.store import open_store
 

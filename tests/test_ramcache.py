@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 
-from rewind.engine import ramcache
+from rewind.engine.memory import ramcache
 from rewind.store.locks import acquire
 
 MIB = 1 << 20

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 
-from rewind.engine import spawner
-from rewind.engine.qemu import start_ticks
-from rewind.engine.unixsock import connect_unix
+from rewind.engine.process import spawner
+from rewind.engine.process.qemu import start_ticks
+from rewind.engine.process.unixsock import connect_unix
 
 
 def _spawner_pids(runtime: Path) -> list[int]:
@@ -25,7 +25,7 @@ def _spawner_pids(runtime: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ours = b"rewind.engine.spawner" in cmdline and str(runtime).encode() in cmdline
+        ours = b"rewind.engine.process.spawner" in cmdline and str(runtime).encode() in cmdline
         if ours and start_ticks(int(proc.name)):
             found.append(int(proc.name))
     children = set()

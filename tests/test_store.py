@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import rewind.store.packs as packs_module
 import rewind.store.store as store_module
 from rewind.engine.checkpoint import Caches, commit_capture
-from rewind.engine.snapshot import SavedState
+from rewind.engine.memory.snapshot import SavedState
 from rewind.errors import InvalidArgument
 from rewind.store import (
     BadExport,

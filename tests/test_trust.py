@@ -13,7 +13,7 @@ from images import make_busybox_archive
 
 from rewind import Home, InvalidArgument, Sandbox
 from rewind.engine.engine import Engine
-from rewind.engine.hosttrust import GUEST_BUNDLE, HostTrust
+from rewind.engine.network.hosttrust import GUEST_BUNDLE, HostTrust
 from rewind.image.custom import build_from_image, remove_image
 
 

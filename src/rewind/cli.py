@@ -756,7 +756,7 @@ def diff(first: str, second: str | None, globs: tuple[str, ...], content_path: s
          store_dir: str | None, as_json: bool) -> None:
     """What changed: `diff NAME [REF]` from NAME's point REF (default ~0) to NAME now;
     `diff REF1 REF2` from one point to another; `diff REF` from REF's parent to REF."""
-    from rewind.engine import diff as engine_diff
+    from rewind.engine.changes import diff as engine_diff
     from rewind.engine.engine import Engine
 
     remote = _remote()
@@ -1409,10 +1409,11 @@ def mcp(step_policy: str, machine_policy: tuple[str, ...], allow_external: tuple
 @json_option
 def doctor(as_json: bool) -> None:
     """What this host gives rewind: QEMU, accelerator, image, templates."""
-    from rewind.engine import diskchain, ramcache
     from rewind.engine.checkpoint import Caches
-    from rewind.engine.qemu import qemu_build
-    from rewind.engine.template import find_template
+    from rewind.engine.disk import diskchain
+    from rewind.engine.memory import ramcache
+    from rewind.engine.process.qemu import qemu_build
+    from rewind.engine.process.template import find_template
     from rewind.errors import QemuError
     from rewind.image import find_image, recipe_id
 

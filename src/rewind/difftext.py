@@ -1,4 +1,4 @@
-"""A diff (engine/diff.py) as people read it: changed paths grouped by folder, with sizes and
+"""A diff (engine/changes/diff.py) as people read it: changed paths grouped by folder, with sizes and
 what changed, coloured by kind; then packages, processes, sockets, rules, and counts."""
 
 from __future__ import annotations

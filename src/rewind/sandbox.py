@@ -20,7 +20,7 @@ from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.agent import exec_deadline
 from rewind.engine.engine import Engine
 from rewind.engine.machine import Machine, check_ttl
-from rewind.engine.netrules import NetworkRules
+from rewind.engine.network.netrules import NetworkRules
 from rewind.errors import InvalidArgument
 from rewind.folders import packed, unpacked
 from rewind.guard.trial import try_in_copy as _try_in_copy
@@ -350,7 +350,7 @@ class Sandbox:
         files, packages, processes and listening sockets, network rules and labels. Refs are
         as restore's (`~N` counts back from this machine's last point; `NAME~N`, ids, names).
         `noise`: also files in the noise list (logs, caches: filediff.NOISE); `paths`: globs."""
-        from rewind.engine.diff import diff
+        from rewind.engine.changes.diff import diff
 
         self._machine.reload()
         return diff(self._engine, self._store, _ref(a), self._machine if b is None else _ref(b),
@@ -358,7 +358,7 @@ class Sandbox:
 
     def diff_content(self, path: str, a: str | Checkpoint = "~0", b: str | Checkpoint | None = None) -> str:
         """A unified diff of one text file from point `a` to point `b` (None: now)."""
-        from rewind.engine.diff import content
+        from rewind.engine.changes.diff import content
 
         self._machine.reload()
         return content(self._engine, self._store, _ref(a), self._machine if b is None else _ref(b),

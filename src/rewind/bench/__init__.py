@@ -20,7 +20,7 @@ from rewind.bench.ours import Progress
 from rewind.bench.peers import PEERS, run_peers
 from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB
 from rewind.engine.engine import Engine
-from rewind.engine.qemu import qemu_build
+from rewind.engine.process.qemu import qemu_build
 from rewind.home import Home
 
 __all__ = ["Metric", "Report", "run", "run_work"]

@@ -23,9 +23,9 @@ from pathlib import Path
 from rewind.bench.model import Report
 from rewind.bench.ours import Progress, curve_keys, du_mib, timed, touch_memory
 from rewind.engine.agent import AgentClient
-from rewind.engine.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch
-from rewind.engine.qmp import Monitor
-from rewind.engine.snapshot import UNLIMITED_BANDWIDTH
+from rewind.engine.memory.snapshot import UNLIMITED_BANDWIDTH
+from rewind.engine.process.qemu import QMP_SOCKET, VmSpec, agent_socket, kill, launch
+from rewind.engine.process.qmp import Monitor
 from rewind.home import Home
 from rewind.image import find_image
 from rewind.sandbox import Sandbox

@@ -1,4 +1,6 @@
 """Runs machines: QEMU processes, their monitor, guest agent, network filter and checkpoints.
+At the top, machines and their history (engine, machine, timeline); below, by part: process/,
+memory/, disk/, network/, changes/ (docs/design.md draws them).
 
 The defaults and limits live here, apart from `machine.py`, so a face can show them without importing QEMU's
 side (the CLI's `--help` would pay 50 ms for it).

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from rewind.engine.unixsock import connect_unix
+from rewind.engine.process.unixsock import connect_unix
 from rewind.errors import AgentError, AgentGone, AlreadyExists, GuestFileError, InvalidArgument
 from rewind.guest.protocol import CHUNK, Decoder, encode
 from rewind.results import ExecResult

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import blake3
 
-from rewind.engine.memfiles import private_runtime
-from rewind.engine.migstream import SplitResult
-from rewind.engine.qemu import board_of
-from rewind.engine.snapshot import SavedState
+from rewind.engine.memory.memfiles import private_runtime
+from rewind.engine.memory.migstream import SplitResult
+from rewind.engine.memory.snapshot import SavedState
+from rewind.engine.process.qemu import board_of
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
 from rewind.store.durable import fsync_file, replace_durably
 

@@ -19,10 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB, netfilter
+from rewind.engine import DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS, MIN_MEMORY_MIB
 from rewind.engine.agent import AgentClient
 from rewind.engine.handoff import finish_interrupted_restore
-from rewind.engine.hosttrust import HostTrust
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import (
     DELETED_PREFIX,
@@ -37,17 +36,19 @@ from rewind.engine.machine import (
     report_lost,
     validate_name,
 )
-from rewind.engine.netrules import NetworkRules
-from rewind.engine.qemu import agent_socket, kill
+from rewind.engine.network import netfilter
+from rewind.engine.network.hosttrust import HostTrust
+from rewind.engine.network.netrules import NetworkRules
+from rewind.engine.process.qemu import agent_socket, kill
 from rewind.errors import AlreadyExists, Busy, ImageError, InvalidArgument, NotFound, RewindError
 from rewind.home import Home
 from rewind.image import Image, find_image
 
 if TYPE_CHECKING:
-    from rewind.engine.accel import AccelChoice
+    from rewind.engine.memory.snapshot import SavedState
     from rewind.engine.points import Located
-    from rewind.engine.snapshot import SavedState
-    from rewind.engine.template import Template
+    from rewind.engine.process.accel import AccelChoice
+    from rewind.engine.process.template import Template
     from rewind.store import CheckpointManifest, Store
 
 
@@ -87,7 +88,7 @@ class Engine:
                              f"{base!r} it was built on: run `rewind image build`") from e
 
     def accel(self) -> AccelChoice:
-        from rewind.engine.accel import choose_accel
+        from rewind.engine.process.accel import choose_accel
 
         if self._accel is None:
             try:
@@ -99,7 +100,7 @@ class Engine:
 
     def template(self, memory_mib: int, cpus: int, image: Image | None = None,
                  report: Report = lambda _: None) -> Template:
-        from rewind.engine.template import ensure_template
+        from rewind.engine.process.template import ensure_template
 
         return ensure_template(image or self.image(), self.accel().accel, memory_mib, cpus, report)
 
@@ -172,7 +173,7 @@ class Engine:
         """Create and start a machine from the booted template; with `host_trust`, it takes this
         host's CA certificates and proxy settings (see hosttrust.py). Nothing is left behind on
         failure."""
-        from rewind.engine.template import template_state
+        from rewind.engine.process.template import template_state
 
         if not isinstance(memory_mib, int) or memory_mib < MIN_MEMORY_MIB:
             raise InvalidArgument(f"memory must be at least {MIN_MEMORY_MIB} MiB (got {memory_mib})")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import any_free_lock
-from rewind.engine.qemu import AGENT_PORTS, agent_socket
+from rewind.engine.process.qemu import AGENT_PORTS, agent_socket
 from rewind.errors import RewindError
 
 SYNC_TIMEOUT = 3.0  # a step that just wrote 100 MiB takes about a second here to flush

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine.memfiles import private_runtime
-from rewind.engine.qemu import QMP_SOCKET
+from rewind.engine.memory.memfiles import private_runtime
+from rewind.engine.process.qemu import QMP_SOCKET
 from rewind.errors import NotFound
 
 if TYPE_CHECKING:

@@ -28,20 +28,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import (
-    diskchain,
-    hosttrust,
-    netfilter,
-    ports,
-    ramcache,
-)
 from rewind.engine.agent import CONNECT_TIMEOUT, AgentClient, ExecDefaults
-from rewind.engine.hosttrust import HostTrust
+from rewind.engine.disk import diskchain
 from rewind.engine.locks import any_free_lock, file_lock
-from rewind.engine.memfiles import blank_layer
-from rewind.engine.migstream import has_configuration
-from rewind.engine.netrules import NetworkRules
-from rewind.engine.qemu import (
+from rewind.engine.memory import ramcache
+from rewind.engine.memory.memfiles import blank_layer
+from rewind.engine.memory.migstream import has_configuration
+from rewind.engine.network import hosttrust, netfilter, ports
+from rewind.engine.network.hosttrust import HostTrust
+from rewind.engine.network.netrules import NetworkRules
+from rewind.engine.process.qemu import (
     AGENT_CHARDEV,
     AGENT_PORTS,
     CONSOLE_LOG,
@@ -59,7 +55,7 @@ from rewind.engine.qemu import (
     qemu_build,
     wait_exit,
 )
-from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.process.qmp import Monitor, MonitorError
 from rewind.errors import (
     AgentGone,
     AlreadyExists,
@@ -79,7 +75,7 @@ from rewind.store.durable import replace_durably
 # What only creating, checkpointing and restoring use is imported where it is used: a
 # command that runs something in a machine (`rewind exec`) then starts in 0.13 s, not 0.3.
 if TYPE_CHECKING:
-    from rewind.engine.snapshot import SavedState
+    from rewind.engine.memory.snapshot import SavedState
 
 # The agent's ports close while init restarts it; that took under a second in a TCG guest.
 AGENT_RESTART_GRACE = 3.0
@@ -496,7 +492,7 @@ class Machine:
 
     def _boot(self, report: Report) -> None:
         """Cold boot from this machine's own disk (a stopped machine), then give it its identity."""
-        from rewind.engine.template import BOOT_TIMEOUT
+        from rewind.engine.process.template import BOOT_TIMEOUT
 
         report(f"booting {self.name} from its disk")
         spec = self._spec(None, incoming=False, disks=[Path(d) for d in self.record.disks],
@@ -731,7 +727,7 @@ class NextQemu:
         """Load the saved state into the started QEMU (its memory file mapped copy-on-write,
         its device state loaded, its disk layers below a new top layer), then give the guest
         the machine's identity."""
-        from rewind.engine.snapshot import incoming
+        from rewind.engine.memory.snapshot import incoming
 
         m = self._machine
         with Monitor(self.run_dir / QMP_SOCKET) as mon, \

@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rewind import crashpoints
-from rewind.engine import diskchain, ramcache
 from rewind.engine.checkpoint import Caches, commit_capture
-from rewind.engine.migstream import PAGE_SIZE, SplitResult, StreamError
-from rewind.engine.pagecapture import WRITTEN_LIMIT
-from rewind.engine.qemu import board_of, process_alive, start_detached, wait_exit
-from rewind.engine.qmp import Monitor, MonitorError
-from rewind.engine.snapshot import (
+from rewind.engine.disk import diskchain
+from rewind.engine.memory import ramcache
+from rewind.engine.memory.migstream import PAGE_SIZE, SplitResult, StreamError
+from rewind.engine.memory.pagecapture import WRITTEN_LIMIT
+from rewind.engine.memory.snapshot import (
     CAPTURE_TIMEOUT,
     PageOverlay,
     SavedState,
@@ -44,6 +43,8 @@ from rewind.engine.snapshot import (
     write_out,
     write_out_started,
 )
+from rewind.engine.process.qemu import board_of, process_alive, start_detached, wait_exit
+from rewind.engine.process.qmp import Monitor, MonitorError
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.store import Store, StoreError, open_store, take_unlocked, unlocked_for_child
@@ -195,7 +196,7 @@ def record(home: Home, point: PendingCheckpoint) -> None:
 def start_committer(home: Home, journal: Path) -> None:
     """A detached process that commits `journal` (niced: running guests come first), forked by
     the home's spawner where it answers."""
-    from rewind.engine import spawner
+    from rewind.engine.process import spawner
 
     args = [str(home.root), str(home.images), str(journal)]
     unlocked = unlocked_for_child()

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from rewind.engine import pending
 from rewind.engine.checkpoint import Caches, blob_digest, state_of
+from rewind.engine.memory.snapshot import SavedState
 from rewind.engine.pending import PendingCheckpoint
-from rewind.engine.snapshot import SavedState
 from rewind.home import Home
 from rewind.store import BadRef, CheckpointManifest, Store, UnknownCheckpoint
 from rewind.store.model import BACK_REF, check_ref

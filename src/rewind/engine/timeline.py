@@ -25,20 +25,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending, ports
-from rewind.engine.accel import ACCELS
+from rewind.engine import MAX_CPUS, MAX_DISK_MIB, MIN_MEMORY_MIB, gueststate, pending
 from rewind.engine.agent import ExecDefaults
 from rewind.engine.checkpoint import RAM_CHUNK_SIZE, Caches
 from rewind.engine.handoff import finish_interrupted_restore, handoff_monitor, run_state
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Handoff, validate_name
-from rewind.engine.memfiles import private_runtime
-from rewind.engine.netrules import NetworkRules
-from rewind.engine.pagecapture import WRITTEN_LIMIT, mapped_memory
+from rewind.engine.memory.memfiles import private_runtime
+from rewind.engine.memory.pagecapture import WRITTEN_LIMIT, mapped_memory
+from rewind.engine.memory.snapshot import capture, ensure_populated, mark_populated, populate_need
+from rewind.engine.network import ports
+from rewind.engine.network.netrules import NetworkRules
 from rewind.engine.pending import PendingCheckpoint
 from rewind.engine.points import locate
-from rewind.engine.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node, qemu_build
-from rewind.engine.snapshot import capture, ensure_populated, mark_populated, populate_need
+from rewind.engine.process.accel import ACCELS
+from rewind.engine.process.qemu import LEGACY_BOARD, QMP_SOCKET, RUNTIME_NODE, board_of, disk_node, qemu_build
 from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
@@ -49,9 +50,9 @@ log = logging.getLogger("rewind")
 if TYPE_CHECKING:
     from rewind.engine.engine import Engine
     from rewind.engine.machine import Machine, MachineRecord
+    from rewind.engine.memory.snapshot import SavedState
     from rewind.engine.points import Located, Point
-    from rewind.engine.qmp import Monitor
-    from rewind.engine.snapshot import SavedState
+    from rewind.engine.process.qmp import Monitor
     from rewind.home import Home
     from rewind.store import CheckpointManifest, Store
 
@@ -279,7 +280,7 @@ def _ram_changed(r: MachineRecord, written: list[tuple[int, int]] | None) -> tup
     """Which chunks of its memory may differ from the memory file it maps (a checkpoint's, or
     its template's), and that file's inode; (None, None) if not known. From the pages a
     capture by pages copied, else read after a capture's instant (see pagemap.py)."""
-    from rewind.engine import pagemap
+    from rewind.engine.memory import pagemap
 
     if r.ram is None or r.pid is None:
         return None, None

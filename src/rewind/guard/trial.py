@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rewind.engine.agent import exec_deadline
 from rewind.engine.engine import Engine
 from rewind.engine.machine import Machine
-from rewind.engine.netrules import NetworkRules
+from rewind.engine.network.netrules import NetworkRules
 from rewind.errors import InvalidArgument, RewindError
 from rewind.results import TRY_TIMEOUT, Outcome, StepRun
 
@@ -49,7 +49,7 @@ def _attempts(copy: Machine) -> tuple[str, ...]:
 
 def _diff(engine: Engine, store: Store, copy: Machine) -> Diff | None:
     """The copy against the moment it was made; None if it cannot be read (the step killed it)."""
-    from rewind.engine.diff import diff
+    from rewind.engine.changes.diff import diff
 
     try:
         copy.reload()

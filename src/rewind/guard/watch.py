@@ -10,7 +10,7 @@ the like are external in the tables), so reading them from a copy is safe to all
 
 from __future__ import annotations
 
-from rewind.engine.netrules import NetworkRules, is_range, name_matches
+from rewind.engine.network.netrules import NetworkRules, is_range, name_matches
 
 # The names package managers and build tools fetch from by default: Python (pip, uv,
 # poetry), JavaScript (npm, yarn, pnpm, bun, deno), Debian, Rust, Go, Ruby, Java, PHP, .NET,

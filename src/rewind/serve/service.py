@@ -16,7 +16,7 @@ from typing import Any, Literal
 from rewind.engine import DEFAULT_MEMORY_MIB, timeline
 from rewind.engine.engine import Engine
 from rewind.engine.machine import check_ttl
-from rewind.engine.netrules import NetworkRules
+from rewind.engine.network.netrules import NetworkRules
 from rewind.engine.timeline import PointMeta
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import Decision, Kind, classify

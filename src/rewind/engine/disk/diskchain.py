@@ -32,8 +32,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from rewind.engine.qcow2 import Layer, LayerId
-from rewind.engine.qemu import qemu_processes
+from rewind.engine.disk.qcow2 import Layer, LayerId
+from rewind.engine.process.qemu import qemu_processes
 from rewind.home import Home
 from rewind.store.durable import fsync_dir, fsync_file
 from rewind.store.locks import acquire

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from rewind.engine.netrules import HOST_ALIAS
+from rewind.engine.network.netrules import HOST_ALIAS
 from rewind.errors import InvalidArgument
 
 # Where hosts keep their CA bundle, after what the environment names.

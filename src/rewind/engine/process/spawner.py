@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from rewind import crashpoints
-from rewind.engine.unixsock import connect_unix
+from rewind.engine.process.unixsock import connect_unix
 from rewind.store.locks import acquire
 
 SOCKET = "spawner.sock"
@@ -46,9 +46,9 @@ PROTOCOL = 1
 # name: (module, function, comm shown by ps)
 TARGETS = {
     "commit": ("rewind.engine.pending", "main", "rewind-commit"),
-    "filter": ("rewind.engine.packetfilter", "main", "rewind-filter"),
-    "split": ("rewind.engine.migstream", "run", "rewind-split"),
-    "assemble": ("rewind.engine.pagecapture", "run", "rewind-assemble"),
+    "filter": ("rewind.engine.network.packetfilter", "main", "rewind-filter"),
+    "split": ("rewind.engine.memory.migstream", "run", "rewind-split"),
+    "assemble": ("rewind.engine.memory.pagecapture", "run", "rewind-assemble"),
 }
 MAX_FDS = 8
 MAX_REQUEST = 1 << 16
@@ -189,7 +189,7 @@ def _connect(path: Path) -> socket.socket:
 
 def _start(runtime: Path) -> subprocess.Popen:
     """The spawner, in a session of its own: it outlives its caller."""
-    return subprocess.Popen([sys.executable, "-m", "rewind.engine.spawner", str(runtime)],
+    return subprocess.Popen([sys.executable, "-m", "rewind.engine.process.spawner", str(runtime)],
                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 

@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rewind import crashpoints
-from rewind.engine import pagemap, spawner
-from rewind.engine.migstream import SplitResult, StreamError, write_result
-from rewind.engine.prefault import PAGE
-from rewind.engine.qemu import start_detached
+from rewind.engine.memory import pagemap
+from rewind.engine.memory.migstream import SplitResult, StreamError, write_result
+from rewind.engine.memory.prefault import PAGE
+from rewind.engine.process import spawner
+from rewind.engine.process.qemu import start_detached
 from rewind.store.locks import acquire
 
 # Pages copied while the guest is stopped go at about 1 GiB/s here (8 MiB in 9 ms).
@@ -99,8 +100,8 @@ class PageImage:
             fds = (self._base, self._ram, self._lock, runs)
             request = spawner.Request("assemble", ["{fd0}", "{fd1}", "{fd2}", "{fd3}", *args])
             if spawner.spawn(self._runtime, request, fds=fds) is None:
-                start_detached([sys.executable, "-m", "rewind.engine.pagecapture", *map(str, fds), *args],
-                               pass_fds=fds)
+                start_detached([sys.executable, "-m", "rewind.engine.memory.pagecapture", *map(str, fds),
+                                *args], pass_fds=fds)
         finally:
             os.close(runs)
 
@@ -159,7 +160,7 @@ def _write_nonzero(image: int, block: bytes, at: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The assembler: `python -m rewind.engine.pagecapture BASE_FD IMAGE_FD LOCK_FD RUNS_FD DONE
+    """The assembler: `python -m rewind.engine.memory.pagecapture BASE_FD IMAGE_FD LOCK_FD RUNS_FD DONE
     DEVSTATE CPU_S`, with the mapped file and the image open, the device state's lock held and
     the written pages' runs in a memfd (see PageImage.fill_detached)."""
     crashpoints.arm("split")

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import dpkt
 
-from rewind.engine.netfilter import CONNECT_TIMEOUT, CONTROL, LOG_FILE, write_pid_file
-from rewind.engine.netrules import DNS_SERVER, NetworkRules
-from rewind.engine.qemu import CONSOLE_LOG, CONSOLE_SOCKET
-from rewind.engine.qemu import NET_FROM_GUEST as FROM_GUEST
-from rewind.engine.qemu import NET_TO_GUEST as TO_GUEST
-from rewind.engine.qemu import NET_TO_NET as TO_NET
+from rewind.engine.network.netfilter import CONNECT_TIMEOUT, CONTROL, LOG_FILE, write_pid_file
+from rewind.engine.network.netrules import DNS_SERVER, NetworkRules
+from rewind.engine.process.qemu import CONSOLE_LOG, CONSOLE_SOCKET
+from rewind.engine.process.qemu import NET_FROM_GUEST as FROM_GUEST
+from rewind.engine.process.qemu import NET_TO_GUEST as TO_GUEST
+from rewind.engine.process.qemu import NET_TO_NET as TO_NET
 
 DNS_TTL = 60
 HOST_CHECK_TTL = 10.0  # the host's own addresses can change (DHCP, new interfaces)

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rewind.engine import diskchain, gueststate, pending
+from rewind.engine import gueststate, pending
+from rewind.engine.changes.filediff import Disk, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.checkpoint import Caches, layer_path
+from rewind.engine.disk import diskchain
 from rewind.engine.engine import Engine
-from rewind.engine.filediff import Disk, IndexCache, diff_disks, file_bytes, index_ahead
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Machine
 from rewind.engine.points import Point

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rewind.engine.unixsock import connect_unix
+from rewind.engine.process.unixsock import connect_unix
 from rewind.errors import RewindError
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import struct
 from dissect.extfs import ExtFS
 from dissect.extfs.exceptions import Error as ExtError
 
-from rewind.engine.qcow2 import Chain, LayerError
+from rewind.engine.disk.qcow2 import Chain, LayerError
 from rewind.results import FileStat
 
 _JBD2_MAGIC = 0xC03B3998

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import blake3
 
-from rewind.engine.ext4view import ROOT_INO, Ext4View
-from rewind.engine.qcow2 import Chain, LayerId
+from rewind.engine.disk.ext4view import ROOT_INO, Ext4View
+from rewind.engine.disk.qcow2 import Chain, LayerId
 from rewind.results import FileChange
 from rewind.store.durable import replace_durably
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.engine.qemu import qemu_processes
+from rewind.engine.process.qemu import qemu_processes
 from rewind.errors import RewindError
 from rewind.store.locks import acquire
 

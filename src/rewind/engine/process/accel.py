@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rewind.engine.qemu import qemu_build
+from rewind.engine.process.qemu import qemu_build
 from rewind.errors import InvalidArgument, QemuError
 from rewind.image import Image
 from rewind.store.durable import replace_durably

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import socket
 
-from rewind.engine.netrules import GUEST_ADDRESS
-from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.network.netrules import GUEST_ADDRESS
+from rewind.engine.process.qmp import Monitor, MonitorError
 from rewind.errors import InvalidArgument, PortError
 from rewind.results import PortForward
 

@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from rewind.engine import spawner
-from rewind.engine.netrules import NetworkRules
-from rewind.engine.qemu import NET_FROM_GUEST as FROM_GUEST
-from rewind.engine.qemu import NET_TO_GUEST as TO_GUEST
-from rewind.engine.qemu import NET_TO_NET as TO_NET
-from rewind.engine.qemu import start_ticks
-from rewind.engine.unixsock import connect_unix
+from rewind.engine.network.netrules import NetworkRules
+from rewind.engine.process import spawner
+from rewind.engine.process.qemu import NET_FROM_GUEST as FROM_GUEST
+from rewind.engine.process.qemu import NET_TO_GUEST as TO_GUEST
+from rewind.engine.process.qemu import NET_TO_NET as TO_NET
+from rewind.engine.process.qemu import start_ticks
+from rewind.engine.process.unixsock import connect_unix
 from rewind.errors import RewindError
 
 CONTROL = "net-ctl.sock"  # rule changes: one JSON line in, one JSON line out
@@ -40,7 +40,7 @@ def spawn(runtime: Path, run_dir: Path, tag: str, rules: NetworkRules,
     forked = spawner.spawn(runtime, spawner.Request("filter", args, cwd=str(run_dir), wait=True))
     if forked is not None:
         return forked
-    argv = [sys.executable, "-c", "from rewind.engine.packetfilter import main; main()", *args]
+    argv = [sys.executable, "-c", "from rewind.engine.network.packetfilter import main; main()", *args]
     return subprocess.Popen(argv, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 

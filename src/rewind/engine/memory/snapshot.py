@@ -32,11 +32,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewind.engine import prefault, spawner
-from rewind.engine.migstream import PIPE_SIZE, SplitResult, StreamError, write_with_pages
-from rewind.engine.pagecapture import MappedMemory, PageImage
-from rewind.engine.qemu import guest_ram_ranges, start_detached
-from rewind.engine.qmp import Monitor, MonitorError
+from rewind.engine.memory import prefault
+from rewind.engine.memory.migstream import PIPE_SIZE, SplitResult, StreamError, write_with_pages
+from rewind.engine.memory.pagecapture import MappedMemory, PageImage
+from rewind.engine.process import spawner
+from rewind.engine.process.qemu import guest_ram_ranges, start_detached
+from rewind.engine.process.qmp import Monitor, MonitorError
 from rewind.store.locks import is_held
 
 RAM_BLOCK = "ram0"  # the memory backend's id on the QEMU command line
@@ -405,8 +406,8 @@ class _Splitter:
             request = spawner.Request("split", ["{fd0}", "{fd1}", *args, "{fd2}"])
             forked = spawner.spawn(ram_out.parent.parent, request, fds=(read_end, ram_fd, ready_w))
             if forked is None:
-                start_detached([sys.executable, "-m", "rewind.engine.migstream", str(read_end), str(ram_fd),
-                                *args, str(ready_w)], pass_fds=(read_end, ram_fd, ready_w))
+                start_detached([sys.executable, "-m", "rewind.engine.memory.migstream", str(read_end),
+                                str(ram_fd), *args, str(ready_w)], pass_fds=(read_end, ram_fd, ready_w))
         except BaseException:
             for fd in (write_end, ready_r):
                 os.close(fd)

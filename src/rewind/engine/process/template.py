@@ -26,8 +26,9 @@ from pathlib import Path
 
 from rewind.engine.agent import AgentClient
 from rewind.engine.locks import file_lock
-from rewind.engine.memfiles import on_tmpfs
-from rewind.engine.qemu import (
+from rewind.engine.memory.memfiles import on_tmpfs
+from rewind.engine.memory.snapshot import SavedState
+from rewind.engine.process.qemu import (
     QMP_SOCKET,
     VmSpec,
     agent_socket,
@@ -37,8 +38,7 @@ from rewind.engine.qemu import (
     qemu_build,
     wait_exit,
 )
-from rewind.engine.qmp import Monitor
-from rewind.engine.snapshot import SavedState
+from rewind.engine.process.qmp import Monitor
 from rewind.errors import ImageError, MachineDied
 from rewind.image import Image
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rewind.engine.prefault import PAGE
+from rewind.engine.memory.prefault import PAGE
 
 _COPY_PAGES = 1024  # pages per read and write of copy_changed (4 MiB)
 

@@ -473,7 +473,7 @@ def has_configuration(devstate: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rewind.engine.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE FRONT READY_FD`:
+    """`python -m rewind.engine.memory.migstream FD RAM_FD BLOCK DEVSTATE_OUT DONE FRONT READY_FD`:
     split the stream QEMU writes into the pipe whose read end is FD (QEMU holds the write end:
     `migrate fd:`), memory into the open file RAM_FD (made by the requester: see
     write_out_started). One byte on READY_FD says it is ready to read. FRONT is made once the
