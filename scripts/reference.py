@@ -1,10 +1,13 @@
 """Write the generated references: docs/reference/cli.md (every command's help, from the CLI
-itself) and docs/reference/http.md (every route, from the API's OpenAPI document). With
---check, write nothing and exit 1 if either is not what the code gives (tests/test_docs.py),
-so a verb or a route cannot come without its page."""
+itself), docs/reference/http.md (every route, from the API's OpenAPI document) and
+docs/reference/mcp.md (every MCP tool, from the server's own list). With --check, write
+nothing and exit 1 if one is not what the code gives (tests/test_docs.py), so a verb, a
+route or a tool cannot come without its page."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +18,7 @@ from rewind.cli import cli
 from rewind.home import Home
 from rewind.serve.access import AccessPolicy
 from rewind.serve.api import create_app
+from rewind.serve.mcpserver import build_server
 from rewind.serve.service import Service
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reference"
@@ -64,8 +68,38 @@ def http_page() -> str:
     return "\n".join(lines)
 
 
+def mcp_page() -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Home(root=Path(tmp) / "home", images=Path(tmp) / "images")
+        tools = asyncio.run(build_server(Service(home)).list_tools())
+    lines = ["# MCP tools reference", "",
+             "Generated from the MCP server's list of tools by `scripts/reference`; do not edit. "
+             "`rewind mcp` serves them over stdio, `rewind serve` over HTTP at `/mcp`, under the default "
+             "policy (`--policy open`; operations.md says what the others change); the guide is "
+             "[operations.md](../operations.md).", ""]
+    for tool in sorted(tools, key=lambda t: t.name):
+        schema = tool.input_schema
+        required = set(schema.get("required", ()))
+        lines.extend([f"## `{tool.name}`", "", " ".join((tool.description or "").split()), ""])
+        params = {k: v for k, v in schema.get("properties", {}).items() if k != "ctx"}
+        if params:
+            lines.extend(["| parameter | type | required | default |", "| --- | --- | --- | --- |"])
+            for name, spec in params.items():
+                default = f"`{json.dumps(spec['default'])}`" if "default" in spec else ""
+                needed = "yes" if name in required else ""
+                lines.append(f"| `{name}` | {_json_type(spec)} | {needed} | {default} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _json_type(spec: dict) -> str:
+    """A parameter's JSON type as a person reads it: `string`, `integer or null`."""
+    kinds = [s.get("type", "any") for s in spec.get("anyOf", [spec])]
+    return " or ".join(dict.fromkeys(kinds))
+
+
 def main() -> None:
-    pages = {DOCS / "cli.md": cli_page(), DOCS / "http.md": http_page()}
+    pages = {DOCS / "cli.md": cli_page(), DOCS / "http.md": http_page(), DOCS / "mcp.md": mcp_page()}
     if "--check" in sys.argv[1:]:
         stale = [str(p.relative_to(DOCS.parent.parent)) for p, text in pages.items()
                  if not p.exists() or p.read_text() != text]
