@@ -21,6 +21,7 @@ from rewind.engine.agent import exec_deadline
 from rewind.engine.engine import Engine
 from rewind.engine.machine import Machine, check_ttl
 from rewind.engine.network.netrules import NetworkRules
+from rewind.engine.pointmeta import PointMeta
 from rewind.errors import InvalidArgument
 from rewind.folders import packed, unpacked
 from rewind.guard.trial import try_in_copy as _try_in_copy
@@ -316,7 +317,7 @@ class Sandbox:
         store = self._store
         point = timeline.checkpoint(self._machine, store, name=name, labels=labels, history=history,
                                     context=context)
-        pause_ms = point.meta["pause_s"] * 1000
+        pause_ms = (PointMeta.from_json(point.id, point.meta).pause_s or 0.0) * 1000
         if wait:
             self._machine.settle()
             done = dataclasses.replace(Checkpoint.of(store.get(point.id)), pause_ms=pause_ms)

@@ -15,10 +15,11 @@ from typing import TypeVar
 
 from rewind.bench.model import Report
 from rewind.engine.engine import Engine
+from rewind.engine.pointmeta import PointMeta
 from rewind.errors import RewindError
 from rewind.home import Home
 from rewind.sandbox import Sandbox
-from rewind.store import open_store
+from rewind.store import CheckpointManifest, open_store
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
@@ -156,7 +157,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
             sbx._machine.settle()
             stored.append(time.perf_counter() - started)
         sbx._machine.settle()
-        qemu_pauses.append(store.get(point.id).meta["pause_s"] * 1000)
+        qemu_pauses.append(_pause_ms(store.get(point.id)))
     later_mib = du_mib(home.store)
     progress("checkpoints: a new machine's first one (the image and its template are stored by now)")
     newcomer = Sandbox.create("bench-new", home=home)
@@ -210,7 +211,7 @@ def checkpoints(home: Home, report: Report, rounds: int, quick: bool, progress: 
         child.exec(["true"])
         branch_times.append(time.perf_counter() - started)
         sbx._engine.settle()
-        branch_pauses.append(store.get(child._machine.record.parent).meta["pause_s"] * 1000)
+        branch_pauses.append(_pause_ms(store.get(child._machine.record.parent)))
         child.delete()
     report.add("branch_to_child_exec_s", "branch until the child's first exec", "s", branch_times, target=1.0)
     report.add("branch_source_pause_ms", "source pause during a branch", "ms", branch_pauses, target=100)
@@ -275,7 +276,7 @@ def memory_curve(sbx: Sandbox, touched: list[int], report: Report, progress: Pro
         report.add(call, f"checkpoint with {mib} MiB in use, until stored ({memory} MiB machine)", "s",
                    [seconds], target=GIB_STORED_S if mib == 1024 else None)
         report.add(pause, f"guest pause with {mib} MiB in use (QEMU STOP to RESUME)", "ms",
-                   [store.get(point.id).meta["pause_s"] * 1000])
+                   [_pause_ms(store.get(point.id))])
         report.add(size, f"data a checkpoint adds with {mib} MiB in use", "MiB",
                    [point.own_bytes / (1 << 20)])
     report.curve["rewind"] = points
@@ -307,3 +308,8 @@ def guard(sbx: Sandbox, report: Report, quick: bool, progress: Progress) -> None
                added(10 if quick else 40, "echo x >> f1", cwd=PROJECT), target=100)
     report.add("guard_fork_added_ms", "`guarded` over plain exec: a system change (fork, kept)", "ms",
                added(1 if quick else 3, "touch /etc/bench-marker"))
+
+
+def _pause_ms(manifest: CheckpointManifest) -> float:
+    """How long the guest was paused for the point, from its meta."""
+    return (PointMeta.from_json(manifest.id, manifest.meta).pause_s or 0.0) * 1000

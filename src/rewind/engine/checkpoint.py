@@ -30,7 +30,7 @@ import blake3
 from rewind.engine.memory.memfiles import private_runtime
 from rewind.engine.memory.migstream import SplitResult
 from rewind.engine.memory.snapshot import SavedState
-from rewind.engine.process.qemu import board_of
+from rewind.engine.pointmeta import PointMeta
 from rewind.store import DEFAULT_HISTORY, BlobIndex, CheckpointManifest, Store
 from rewind.store.durable import fsync_file, replace_durably
 
@@ -218,7 +218,7 @@ def state_of(store: Store, caches: Caches, manifest: CheckpointManifest) -> Save
     blobs = manifest.blobs
     ram = cached(blobs["ram"], caches.ram / f"{blob_digest(blobs['ram'])}.ram", durable=False)  # tmpfs
     devstate = cached(blobs["devstate"], caches.devstate / blob_digest(blobs["devstate"]))
+    meta = PointMeta.from_json(manifest.id, manifest.meta)
     disks = [cached(blobs[f"disk.{i}"], layer_path(caches, blobs[f"disk.{i}"]))
-             for i in range(manifest.meta["layers"])]
-    return SavedState(ram=ram, devstate=devstate, disks=disks, board=board_of(manifest.meta),
-                      point=manifest.id)
+             for i in range(meta.disk_layers(manifest.id))]
+    return SavedState(ram=ram, devstate=devstate, disks=disks, board=meta.board, point=manifest.id)

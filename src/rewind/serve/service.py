@@ -17,7 +17,7 @@ from rewind.engine import DEFAULT_MEMORY_MIB, timeline
 from rewind.engine.engine import Engine
 from rewind.engine.machine import check_ttl
 from rewind.engine.network.netrules import NetworkRules
-from rewind.engine.timeline import PointMeta
+from rewind.engine.pointmeta import PointMeta
 from rewind.errors import InvalidArgument
 from rewind.guard.classify import Decision, Kind, classify
 from rewind.guard.userrules import find_rules

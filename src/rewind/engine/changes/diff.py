@@ -24,6 +24,7 @@ from rewind.engine.disk import diskchain
 from rewind.engine.engine import Engine
 from rewind.engine.locks import file_lock
 from rewind.engine.machine import LOCK_TIMEOUT, Machine
+from rewind.engine.pointmeta import PointMeta
 from rewind.engine.points import Point
 from rewind.errors import InvalidArgument, RewindError
 from rewind.results import Diff, PackageChange
@@ -95,10 +96,10 @@ def _side(engine: Engine, store: Store, which: str | Point | Machine,
     layers = _point_layers(engine, store, point)
     disk = Disk(layers, len(layers), cache)
     try:
-        meta = point.meta
+        meta = PointMeta.from_json(point.id, point.meta)
         yield _Side(f"point {point.id[:12]} (machine {point.machine})", disk,
-                    meta.get("guest") or {"synced": False, "why": "it was taken by an older rewind"},
-                    meta.get("network"), meta.get("machine_labels"))
+                    meta.guest or {"synced": False, "why": "it was taken by an older rewind"},
+                    meta.network or None, meta.machine_labels)
     finally:
         disk.close()
 
@@ -112,7 +113,7 @@ def _point_layers(engine: Engine, store: Store, point: Point) -> list[Path]:
     manifest = store.get(point.id)
     caches = Caches.of(engine.home.root, engine.home.runtime)
     layers = []
-    for i in range(manifest.meta["layers"]):
+    for i in range(PointMeta.from_json(manifest.id, manifest.meta).disk_layers(manifest.id)):
         blob = manifest.blobs[f"disk.{i}"]
         dest = layer_path(caches, blob)
         if not dest.exists():
