@@ -19,7 +19,7 @@ from rewind.engine.memory.snapshot import SavedState
 from rewind.engine.pending import PendingCheckpoint
 from rewind.home import Home
 from rewind.store import BadRef, CheckpointManifest, Store, UnknownCheckpoint
-from rewind.store.model import BACK_REF, check_ref
+from rewind.store.model import Ref
 
 _ID_PREFIX = re.compile(r"[0-9a-f]{8,32}")
 
@@ -69,17 +69,17 @@ class Located:
             check_signed(home, self.manifest, what, is_home_store(home, store), allow_unsigned)
 
 
-def locate(home: Home, store: Store, ref: str | CheckpointManifest,
+def locate(home: Home, store: Store, ref: str | Ref | CheckpointManifest,
            relative_to: str | None = None) -> Located:
     """The point `ref` names (as Store.get reads it: a name, an id or a prefix, `~N` back from
     `relative_to`, `REF~N`), whether stored or pending here."""
     caches = Caches.of(home.root, home.runtime)
     if isinstance(ref, CheckpointManifest):
         return _stored(home, store, caches, ref)
-    back = BACK_REF.fullmatch(check_ref(ref))
-    if back is None:
-        return _exact(home, store, caches, ref)
-    start, steps = back.group(1), int(back.group(2))
+    ref = Ref.of(ref)
+    if ref.exact:
+        return _exact(home, store, caches, ref.text)
+    start, steps = ref.start, ref.back
     if not start and relative_to is None:
         return _stored(home, store, caches, store.get(ref))  # the store says why it needs a point
     base = start or pending.surviving(home, relative_to)

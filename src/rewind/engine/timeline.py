@@ -41,7 +41,7 @@ from rewind.engine.process.qemu import QMP_SOCKET, RUNTIME_NODE, disk_node, qemu
 from rewind.errors import Busy, InvalidArgument, NotFound, PortError, RewindError
 from rewind.store import new_checkpoint_id
 from rewind.store.errors import BadRef, CheckpointExists, UnknownCheckpoint
-from rewind.store.model import DEFAULT_HISTORY, validate_checkpoint_name
+from rewind.store.model import DEFAULT_HISTORY, Ref, validate_checkpoint_name
 
 log = logging.getLogger("rewind")
 
@@ -249,16 +249,17 @@ def _protocol_file(mon: Monitor, node: str) -> str:
 
 # ---- restore ----
 
-def restore(machine: Machine, store: Store, ref: str, allow_unsigned: bool | None = None) -> Point:
+def restore(machine: Machine, store: Store, ref: str | Ref, allow_unsigned: bool | None = None) -> Point:
     """Put `machine` back to checkpoint `ref` (`~N` counts back from its last point): same
     name, identity and handle. The state it leaves is checkpointed first. A point not yet
     stored runs from its capture. A stored point must be signed by this home or a key it
     trusts (unsigned ones: `allow_unsigned`, see signers.check_signed)."""
+    ref = Ref.of(ref)
     machine.reload()
     finish_interrupted_restore(machine)
-    if ref.startswith("~") and machine.record.parent is None:
+    if ref.counts_from_caller and machine.record.parent is None:
         raise NotFound(f"machine {machine.name!r} has no checkpoint yet to count back from")
-    target = locate(machine.home, store, ref, machine.record.parent if ref.startswith("~") else None)
+    target = locate(machine.home, store, ref, machine.record.parent if ref.counts_from_caller else None)
     target.check_signed(machine.home, store, "restore", allow_unsigned)  # before it is left
     meta = PointMeta.from_json(target.point.id, target.point.meta)
     qemu_build().check_board(meta.board, f"checkpoint {target.point.id[:12]}")  # before it is left

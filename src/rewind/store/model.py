@@ -34,18 +34,47 @@ _ID_LIKE = re.compile(r"[0-9a-fA-F]{8,}")
 DEFAULT_HISTORY = 32  # ancestors a manifest lists, for history and diff without the store
 # `REF~N` or `~N`: N points back. Six digits at most: far past any history, and a longer run
 # of digits is no count (Python refuses to read an int of more than 4,300 digits).
-BACK_REF = re.compile(r"(.*)~(\d{1,6})")
+_BACK_REF = re.compile(r"(.*)~(\d{1,6})")
 MAX_REF = 80  # a name (63) or an id (32), and a count back
 
 
-def check_ref(ref: object) -> str:
-    """`ref` if it can be a checkpoint reference (see Store.get); BadRef otherwise, shortened."""
-    if not isinstance(ref, str) or not ref:
-        raise BadRef(f"a checkpoint reference must be a non-empty string, not {str(ref)[:40]!r}")
-    if len(ref) > MAX_REF:
-        raise BadRef(f"a checkpoint reference of {len(ref)} characters names nothing "
-                     f"({ref[:20]!r}...): names have at most 63")
-    return ref
+@dataclass(frozen=True)
+class Ref:
+    """A checkpoint reference, read once (Ref.of) where it comes in and passed on as read: a
+    name, an id or a prefix of one (`start`), counted `back` N points (`REF~N`); `~N` alone
+    counts back from a point the caller knows (`start` None)."""
+
+    text: str
+    start: str | None
+    back: int = 0
+
+    @classmethod
+    def of(cls, ref: object) -> Ref:
+        """`ref` read (a Ref is passed through); BadRef if it can be none, shortened."""
+        if isinstance(ref, Ref):
+            return ref
+        if not isinstance(ref, str) or not ref:
+            raise BadRef(f"a checkpoint reference must be a non-empty string, not {str(ref)[:40]!r}")
+        if len(ref) > MAX_REF:
+            raise BadRef(f"a checkpoint reference of {len(ref)} characters names nothing "
+                         f"({ref[:20]!r}...): names have at most 63")
+        counted = _BACK_REF.fullmatch(ref)
+        if counted is None:
+            return cls(ref, ref)
+        return cls(ref, counted.group(1) or None, int(counted.group(2)))
+
+    @property
+    def counts_from_caller(self) -> bool:
+        """`~N`: it needs the point to count back from (a machine's last one)."""
+        return self.start is None
+
+    @property
+    def exact(self) -> bool:
+        """A name, an id or a prefix, with no count back."""
+        return self.start == self.text
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def validate_name(name: str, what: str) -> str:

@@ -64,11 +64,10 @@ from rewind.store.errors import (
 )
 from rewind.store.locks import held_file, live_holders, names_lock, store_lock
 from rewind.store.model import (
-    BACK_REF,
     DEFAULT_HISTORY,
     BlobIndex,
     CheckpointManifest,
-    check_ref,
+    Ref,
     validate_checkpoint_name,
     validate_labels,
     validate_name,
@@ -569,23 +568,23 @@ class Store:
 
     # -- finding --------------------------------------------------------------------------
 
-    def get(self, ref: str, relative_to: str | CheckpointManifest | None = None) -> CheckpointManifest:
+    def get(self, ref: str | Ref, relative_to: str | CheckpointManifest | None = None) -> CheckpointManifest:
         """The checkpoint `ref` names: a name, an id or a prefix of one (8 hex digits at
         least), or `~N`, the N-th point back along `relative_to`'s history (`~0` is itself);
         `REF~N` counts back from REF. A point whose manifest was deleted is rebuilt from the
         history kept in the newer one."""
-        back = BACK_REF.fullmatch(check_ref(ref))
-        if back is None:
-            return self._find(ref)
-        start, n = back.group(1), int(back.group(2))
+        ref = Ref.of(ref)
+        if ref.exact:
+            return self._find(ref.text)
+        start, n = ref.start, ref.back
         if start:
             base = self.get(start)
         elif relative_to is None:
-            raise BadRef(f"{ref!r} counts back from a checkpoint, but none was given to count from")
+            raise BadRef(f"{ref.text!r} counts back from a checkpoint, but none was given to count from")
         else:
             base = self._resolve(relative_to)
         if n > len(base.history):
-            raise UnknownCheckpoint(f"{ref!r} is past the history kept: checkpoint {base.id[:12]} "
+            raise UnknownCheckpoint(f"{ref.text!r} is past the history kept: checkpoint {base.id[:12]} "
                                     f"keeps {len(base.history)} earlier points")
         point = base.back(n)
         path = self._manifest_path(point.id)
