@@ -301,7 +301,7 @@ MANIFEST_VERBS = [
     (Kind.GIT, "npm pkg set scripts.lint=eslint"),
     (Kind.NONE, "npm pkg get version"),
     (Kind.GIT, "npm version prerelease --no-git-tag-version"),
-    (Kind.FORK, "npm version major"),  # also commits and tags
+    (Kind.GIT, "npm version major"),  # also commits and tags: the git tier takes both back
     (Kind.NONE, "npm version"),
     (Kind.GIT, "poetry version patch"),
     (Kind.NONE, "poetry version --short"),

@@ -39,7 +39,8 @@ printf 'staged change\\n' >> kept.txt && git add kept.txt
 printf 'not tracked yet\\n' > untracked.txt && printf 'ignored\\n' > build.log
 """
 # The user's view of the repository: branch, HEAD, index, status and every file.
-REPO_STATE = (f"cd {REPO} && git symbolic-ref HEAD && git rev-parse HEAD && git ls-files -s && "
+REPO_STATE = (f"cd {REPO} && git symbolic-ref HEAD && git rev-parse HEAD && git for-each-ref "
+              "refs/heads refs/tags && git ls-files -s && "
               "git status --porcelain -uall --ignored && find . -path ./.git -prune -o -type f -print0 | "
               "sort -z | xargs -0 md5sum")
 
@@ -145,9 +146,12 @@ def test_a_migration_aimed_at_another_host_is_refused_and_never_reaches_it(home:
 def test_git_tier_puts_the_project_back(home: Home) -> None:
     sbx = Sandbox.create("agent", home=home)
     sbx.exec(SETUP_REPO, check=True)
+    sbx.exec(f"cd {REPO} && git tag v1 && git tag -a -m old moved", check=True)
     before = state(sbx, REPO_STATE)
+    # Branches and tags too: made (v2, other), moved (an annotated tag) and deleted (v1).
     step = ("sed -i s/edit/edited/ edited.txt && rm deleted.txt && echo new > new.txt && mkdir -p d/e && "
-            "echo x > d/e/f && git add -A && git commit -qm step && git checkout -qb other && false")
+            "echo x > d/e/f && git add -A && git commit -qm step && git tag v2 && "
+            "git tag -f -a -m new moved && git tag -d v1 && git checkout -qb other && false")
     done = sbx.guarded(step, cwd=REPO)
     assert (done.kind, done.path, done.undone) == ("git", "git", True), done
     assert state(sbx, REPO_STATE) == before

@@ -56,20 +56,20 @@ CASES: dict[str, list[tuple[Kind, str]]] = {
         (E, "./gradlew publish"),
         (E, "./mvnw -B deploy"),
     ],
-    # A bump that only writes the manifest is git; one that also commits and tags (npm, pnpm, bun
-    # and yarn 1 by default) is a fork, since the git tier puts back branches, not tags
+    # A bump is git: one that also commits and tags (npm, pnpm, bun and yarn 1 by default) is
+    # taken back by the git tier too, which puts back branches and tags
     "version bumps": [
         (N, "npm version"),
-        (F, "npm version patch"),
+        (G, "npm version patch"),  # commits and tags: the git tier takes both back
         (G, "npm version patch --no-git-tag-version"),
         (G, "npm pkg set scripts.test=vitest"),
         (N, "npm pkg get version"),
-        (F, "pnpm version minor"),
+        (G, "pnpm version minor"),  # commits and tags: the git tier takes both back
         (G, "pnpm version 2.0.0 --no-git-tag-version"),
         (G, "pnpm pkg delete scripts.x"),
-        (F, "yarn version --patch"),
-        (F, "yarn version --new-version 1.2.0"),
-        (F, "yarn version"),
+        (G, "yarn version --patch"),  # commits and tags: the git tier takes both back
+        (G, "yarn version --new-version 1.2.0"),  # commits and tags: the git tier takes both back
+        (G, "yarn version"),  # commits and tags: the git tier takes both back
         (G, "yarn version --minor --no-git-tag-version"),
         (G, "yarn version patch"),
         (G, "yarn version major --deferred"),
@@ -77,7 +77,7 @@ CASES: dict[str, list[tuple[Kind, str]]] = {
         (G, "yarn version check --interactive"),
         (G, "yarn version apply --all"),
         (N, "bun pm version"),
-        (F, "bun pm version patch"),
+        (G, "bun pm version patch"),  # commits and tags: the git tier takes both back
         (G, "bun pm version patch --no-git-tag-version"),
         (G, "bun pm pkg set name=x"),
         (N, "bun pm pkg get name"),

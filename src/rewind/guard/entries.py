@@ -221,14 +221,12 @@ def given(call: Call) -> set[str]:
 @dataclass(frozen=True)
 class VersionBump:
     """A project tool's `version` verb (poetry version, hatch version, npm version): alone it
-    prints the version; given one, or a bump, it writes it into the manifest. npm and yarn
-    then also commit and tag, unless one of `no_tag` says not to: a tag is not something the
-    git tier takes back, so that is a fork. `then`: what else a bump does (uv locks and syncs
-    the environment), instead of only the manifest. `asks`: given no version, it asks for one
-    and writes it (yarn 1) rather than printing the current one."""
+    prints the version; given one, or a bump, it writes it into the manifest (npm and yarn 1
+    then also commit and tag, which the git tier takes back). `then`: what else a bump does
+    (uv locks and syncs the environment), instead of only the manifest. `asks`: given no
+    version, it asks for one and writes it (yarn 1) rather than printing the current one."""
 
     bump_flags: frozenset[str] = frozenset()
-    no_tag: frozenset[str] | None = None  # None: it never commits or tags
     then: Entry | None = None
     asks: bool = False
 
@@ -240,8 +238,6 @@ class VersionBump:
             return [READS]
         if self.then is not None:
             return self.then(call)
-        if self.no_tag is not None and not flags & self.no_tag and "--git-tag-version=false" not in texts:
-            return [Rule(Kind.FORK, "bumps the version, then commits and tags it (the git tier leaves tags)")]
         return [call.locally(MANIFEST)]
 
 

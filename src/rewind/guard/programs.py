@@ -391,7 +391,7 @@ LAUNCHERS = Family({
 # ---------------------------------------------------------------------------------------------
 # Packages, and the registries of every ecosystem they are published to
 
-_NPM_VERSION = VersionBump(no_tag=word_set("--no-git-tag-version"))
+_NPM_VERSION = VersionBump()
 _NPM_LAUNCH = {"exec": _NPX, "x": _NPX, "dlx": _NPX}
 _NPM = verbs(
     "ls list ll la view info show v outdated search help whoami ping explain why fund root prefix bin doctor",
@@ -414,7 +414,7 @@ _PIP = package_manager("list show freeze check search help index inspect debug h
 _YARN_VERSION = Subcommands(
     {"check": Given(word_set("-i --interactive"), FOLDER), "apply": MANIFEST},
     default=MANIFEST,
-    bare=VersionBump(no_tag=word_set("--no-git-tag-version"), asks=True),
+    bare=VersionBump(asks=True),
     value_flags=word_set("--new-version --preid --message -m"),
 )
 _PUB = verbs("deps outdated token", default=PACKAGES, publish=unless_dry_run(PUBLISHES, "--dry-run -n"),

@@ -6,10 +6,11 @@ dulwich (Debian's python3-dulwich) reads the index and ignore rules and writes
 git's objects, so the result is an ordinary commit git itself can read.
 
 `save` records the repository's work tree (tracked files, and untracked ones that
-are not ignored) as a commit on refs/rewind/guard, and keeps a copy of the index
-and of where HEAD points. The user's branch, index and history are not touched.
-`restore` brings back edited and deleted files, removes what the step created
-(except ignored files), and puts HEAD, its branch and the index back.
+are not ignored) as a commit on refs/rewind/guard, and keeps a copy of the index,
+of where HEAD points and of its branches and tags. The user's branch, index and
+history are not touched. `restore` brings back edited and deleted files, removes
+what the step created (except ignored files), and puts HEAD, its branch, the index,
+the branches and the tags back (a commit and tag of `npm version` are taken back).
 A folder outside any repository gets a repository of our own under SHADOW.
 """
 
@@ -239,9 +240,15 @@ def save(folder: str) -> dict:
     with contextlib.suppress(FileNotFoundError):
         os.link(project.index_path, project.saved_index)
     state = {"commit": commit.id.decode(), "head": head.decode() if head else None,
-             "branch": branch.decode() if branch else None, "top": project.top}
+             "branch": branch.decode() if branch else None, "top": project.top,
+             "refs": {name.decode(): sha.decode() for name, sha in _branches_and_tags(refs).items()}}
     _replace_file(project.state_path, json.dumps(state).encode())
     return {"commit": commit.id.decode(), "top": project.top, "files": len(entries)}
+
+
+def _branches_and_tags(refs) -> dict[bytes, bytes]:
+    return {prefix + name: sha for prefix in (b"refs/heads/", b"refs/tags/")
+            for name, sha in refs.as_dict(prefix).items()}
 
 
 def restore(folder: str) -> dict:
@@ -284,6 +291,16 @@ def restore(folder: str) -> dict:
                 and not any(d == rel or d.startswith(rel + os.sep) for d in dirs) \
                 and not ignore.is_ignored(rel + "/"):
             os.rmdir(dirpath)
+
+    # Branches and tags as they were: those the step made go, those it moved come back.
+    if "refs" in state:  # saved by an older agent: it kept none
+        saved = {name.encode(): sha.encode() for name, sha in state["refs"].items()}
+        now = _branches_and_tags(repo.refs)
+        for name in now.keys() - saved.keys():
+            repo.refs.remove_if_equals(name, None)
+        for name, sha in saved.items():
+            if now.get(name) != sha:
+                repo.refs[name] = sha
 
     # HEAD, its branch and the index, as they were.
     head, branch = state["head"], state["branch"]
