@@ -136,16 +136,16 @@ def test_a_dns_flood_keeps_the_filter_within_its_bounds(home: Home) -> None:
 
 
 def _capped_by_the_host(sbx: Sandbox) -> bool:
-    """One command against the hostile agent; False if it did not answer the host's hello in
-    time (its answer can be lost in its own flood), which ends the call at the same deadline."""
+    """One command against the hostile agent, which the host's own deadline ends: whether both
+    streams were cut at their cap. False too if it did not answer the host's hello in time (its
+    answer can be lost in its own flood). The output is dropped here: the caller's peak memory
+    is measured."""
     try:
         result = sbx.exec("true", timeout=1)
     except AgentGone:
         return False
-    assert result.timed_out and result.stdout_truncated and result.stderr_truncated
-    # (Its frames arrive cut short and run into each other: only the cap is sure.)
-    assert max(len(result.stdout), len(result.stderr)) <= agent.DEFAULT_MAX_OUTPUT
-    return True
+    assert result.timed_out
+    return result.stdout_truncated and result.stderr_truncated
 
 
 def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
@@ -160,9 +160,11 @@ def test_a_hostile_agent_cannot_hurt_the_host_and_restore_takes_it_back(
     host_peak = _rss_kib("self", "VmHWM")
     # The first calls also wait for init to start the hostile agent (Python on TCG: 11 s on a
     # busy CI host); they end at the same deadline, unanswered, until it runs.
+    # Each stream is cut at its cap once the flood reaches it (16 MiB each: under TCG a slow
+    # moment can leave a call short of it before its deadline, so the cap is waited for).
     give_up = time.monotonic() + 120
     while not _capped_by_the_host(sbx):
-        assert time.monotonic() < give_up, "the hostile agent never answered"
+        assert time.monotonic() < give_up, "the hostile agent's flood was never cut at its cap"
     for _ in range(2):
         started = time.monotonic()
         _capped_by_the_host(sbx)
