@@ -237,6 +237,8 @@ def test_a_known_program_is_watched_in_its_copy_too(home: Home) -> None:
 
         quiet = sbx.guarded("python3 -c 'open(\"/srv/quiet\", \"w\").write(\"ok\")'")
         assert (quiet.path, quiet.undone) == ("copy", False) and quiet.outcome.attempted == (), quiet
+        # The kept copy runs under the machine's own rules again, not the watch's.
+        assert sbx.network.get() == {"internet": False, "allow": ["127.0.0.1/32"], "deny": []}
 
         ran = sbx.guarded("python3 /root/report.py", allow_external=True)
         assert ran.path == "checkpoint" and ran.ok and listener.accepted == 1, ran
