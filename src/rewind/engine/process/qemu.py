@@ -173,10 +173,14 @@ def qemu_argv(spec: VmSpec, build: QemuBuild) -> list[str]:
     else:
         ram = (f"memory-backend-file,id=ram0,size={spec.memory_mib}M,mem-path={spec.ram_file},"
                f"share={'on' if spec.ram_shared else 'off'}")
+    # suppress-vmdesc: no JSON description of the devices at the end of a migration stream (only
+    # tools read it). Writing it, QEMU 10.0.2 aborted (json-writer.c: Assertion `depth' failed)
+    # in a background snapshot of a QEMU that had loaded a state: a restored machine's big checkpoint.
+    machine = f"{spec.board},memory-backend=ram0,suppress-vmdesc=on"
     argv = [
         build.binary, "-name", "rewind", "-nodefaults", "-no-user-config",
         *(arg for d in build.firmware for arg in ("-L", str(d))),
-        "-display", "none", "-machine", f"{spec.board},memory-backend=ram0", "-accel", accel, "-cpu", "max",
+        "-display", "none", "-machine", machine, "-accel", accel, "-cpu", "max",
         "-m", f"{spec.memory_mib}M", "-smp", str(spec.cpus), "-object", ram,
         "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.kernel_cmdline,
         "-no-reboot",
