@@ -199,24 +199,24 @@ def start_committer(home: Home, journal: Path) -> None:
     from rewind.engine.process import spawner
 
     args = [str(home.root), str(home.images), str(journal)]
-    unlocked = unlocked_for_child()
-    if not unlocked:
-        if spawner.spawn(home.runtime, spawner.Request("commit", args, nice=10)) is None:
-            start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
-                            *args])
-        return
     # An encrypted store's keys go through a pipe: the committer skips scrypt (0.13 s here).
-    read, write = os.pipe()
+    fds: tuple[int, ...] = ()
+    unlocked = unlocked_for_child()
+    if unlocked:
+        read, write = os.pipe()
+        try:
+            os.write(write, unlocked)  # a few hundred bytes: within the pipe's buffer
+        finally:
+            os.close(write)
+        fds = (read,)
     try:
-        os.write(write, unlocked)  # a few hundred bytes: within the pipe's buffer
-    finally:
-        os.close(write)
-    try:
-        if spawner.spawn(home.runtime, spawner.Request("commit", [*args, "{fd0}"], nice=10), (read,)) is None:
+        request = spawner.Request("commit", [*args, *("{fd0}" for _ in fds)], nice=10)
+        if spawner.spawn(home.runtime, request, fds) is None:
             start_detached(["nice", sys.executable, "-c", "from rewind.engine.pending import main; main()",
-                            *args, str(read)], pass_fds=(read,))
+                            *args, *map(str, fds)], pass_fds=fds)
     finally:
-        os.close(read)  # the committer has its own copy
+        for fd in fds:  # the committer has its own copy
+            os.close(fd)
 
 
 def revive_committers(home: Home, machine_uuid: str) -> None:
