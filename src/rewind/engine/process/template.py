@@ -44,7 +44,7 @@ from rewind.image import Image
 
 TEMPLATE_MAC = "52:54:00:00:00:01"
 BOOT_TIMEOUT = 180.0
-TEMPLATE_VERSION = 3  # bump when the way templates are made changes: old ones are then ignored
+TEMPLATE_VERSION = 4  # bump when the way templates are made changes: old ones are then ignored
 
 
 @dataclass(frozen=True)
