@@ -21,6 +21,8 @@ EXPECTED = {
     "curve_64_checkpoint_s", "curve_128_pause_ms", "curve_128_size_mib", "curve_restore_s",
     "loop_checkpoint_s", "loop_restore_to_exec_s", "loop_failed_try_s", "loop_passed_try_s",
     "loop_guarded_git_s", "loop_background_cpu_s", "loop_shm_peak_mib",
+    "real_loop_work_s", "real_loop_checkpoint_s", "real_loop_restore_to_exec_s", "real_loop_failed_try_s",
+    "real_loop_background_cpu_s", "real_loop_shm_peak_mib",
     "http_call_added_ms", "mcp_call_added_ms",
     "http_exec_added_ms", "http_checkpoint_added_ms", "http_restore_added_ms", "mcp_exec_added_ms",
     "mcp_checkpoint_added_ms", "mcp_restore_added_ms", "cli_help_s", "cli_exec_added_s",

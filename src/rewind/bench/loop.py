@@ -2,7 +2,12 @@
 step, restore, exec, a failed try, a passed try and a guarded git step, round after round.
 Each operation alone (ours.py) is measured on an idle machine after the previous round's
 background work has finished; here background commits and first checkpoints land on the
-next step, as they do for an agent."""
+next step, as they do for an agent.
+
+The loop with real steps does the same with steps that do real work: each round copies a
+30 MiB library tree of 1,390 files (as an install writes), checkpoints, deletes the work,
+restores and checks it, then tries a step that deletes a system folder and fails. Its
+restores come right after a step that wrote much, its tries right after a restore."""
 
 from __future__ import annotations
 
@@ -23,11 +28,22 @@ from rewind.sandbox import Sandbox, try_in_copy
 STEPS = ("checkpoint_s", "restore_to_exec_s", "failed_try_s", "passed_try_s", "guarded_git_s")
 WHAT = {
     "checkpoint_s": ("checkpoint call", 0.15),
-    "restore_to_exec_s": ("restore in place until the first exec", 0.5),
-    "failed_try_s": ("failed `try_in_copy`", 1.5),
+    "restore_to_exec_s": ("restore in place until the first exec", 0.4),
+    "failed_try_s": ("failed `try_in_copy`", 1.0),
     "passed_try_s": ("passed `try_in_copy`", 2.0),
     "guarded_git_s": ("guarded project edit (git tier)", None),
 }
+REAL_STEPS = ("work_s", "checkpoint_s", "restore_to_exec_s", "failed_try_s")
+REAL_WHAT = {
+    "work_s": ("the step: copy a 30 MiB library tree", None),
+    "checkpoint_s": ("checkpoint call right after it", 0.15),
+    "restore_to_exec_s": ("restore in place until the first exec", 0.4),
+    "failed_try_s": ("failed `try_in_copy` deleting a system folder", 1.0),
+}
+REAL_WORK = "rm -rf /root/work && mkdir -p /root/work && cp -a /usr/lib/python3.11 /root/work/r{i}"
+REAL_CHECK = "test -f /root/work/r{i}/json/__init__.py"
+REAL_BREAK = "rm -rf /usr/lib/python3.11/json && python3 -c 'import json'"
+DRIFT_TARGET = 1.1  # the last five rounds over the first five
 
 
 class ShmPeak:
@@ -104,6 +120,42 @@ def run_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
     return result
 
 
+def run_real_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
+    """`rounds` rounds of the loop with real steps (see the module's text) on one new machine;
+    the machine is deleted after."""
+    result = LoopResult()
+    Engine(home).settle()
+    pending.commit_stats_path(home).unlink(missing_ok=True)
+    sbx = Sandbox.create("loop-real", home=home)
+    shm = ShmPeak()
+    try:
+        for i in range(rounds):
+            progress(f"agent loop with real steps: round {i + 1} of {rounds}")
+            times = {"work_s": timed(lambda n=i: sbx.exec(REAL_WORK.format(i=n), check=True, timeout=600))}
+            started = time.perf_counter()
+            point = sbx.checkpoint()
+            times["checkpoint_s"] = time.perf_counter() - started
+            sbx.exec("rm -rf /root/work", check=True)
+            started = time.perf_counter()
+            sbx.restore(point.id)
+            back = sbx.exec(REAL_CHECK.format(i=i))
+            times["restore_to_exec_s"] = time.perf_counter() - started
+            if not back.ok:
+                raise RuntimeError(f"round {i}: the restore did not bring the work back")
+            failed = try_in_copy(sbx, REAL_BREAK)
+            times["failed_try_s"] = failed.seconds
+            if failed.passed or not sbx.exec("python3 -c 'import json'").ok:
+                raise RuntimeError(f"round {i}: the breaking step was kept ({failed.reason!r})")
+            result.rounds.append(times)
+        progress("agent loop with real steps: waiting for the background work to finish")
+        sbx._engine.settle()
+    finally:
+        result.shm_peak_mib = shm.stop()
+        sbx.delete()
+    result.background_cpu_s = [entry.cpu_s for entry in pending.read_commit_stats(home)]
+    return result
+
+
 def drift(samples: list[float]) -> float | None:
     """The median of the last five rounds over that of the first five; None for under ten rounds."""
     if len(samples) < 10:
@@ -112,37 +164,47 @@ def drift(samples: list[float]) -> float | None:
 
 
 def agent_loop(home: Home, report: Report, rounds: int, progress: Progress) -> None:
-    """Add the loop's figures to `report`: each step's median over all rounds, the last five
+    """Add both loops' figures to `report`: each step's median over all rounds, the last five
     rounds against the first five, background CPU per point and peak /dev/shm use."""
-    loop = run_loop(home, rounds, progress)
-    for key in STEPS:
-        what, target = WHAT[key]
+    _add(report, "loop", "in the agent loop", run_loop(home, rounds, progress), STEPS, WHAT,
+         background_target=0.2)
+    _add(report, "real_loop", "in the loop with real steps", run_real_loop(home, rounds, progress),
+         REAL_STEPS, REAL_WHAT, background_target=None)
+
+
+def _add(report: Report, prefix: str, where: str, loop: LoopResult, steps: tuple[str, ...],
+         what_of: dict[str, tuple[str, float | None]], background_target: float | None) -> None:
+    for key in steps:
+        what, target = what_of[key]
         samples = [r[key] for r in loop.rounds]
-        report.add(f"loop_{key}", f"in the agent loop: {what}", "s", samples, target=target)
+        report.add(f"{prefix}_{key}", f"{where}: {what}", "s", samples, target=target)
         if (ratio := drift(samples)) is not None:
-            report.add(f"loop_{key}_drift", f"in the agent loop: {what}, last five rounds / first five", "x",
-                       [ratio], target=1.2)
-    report.add("loop_background_cpu_s", "in the agent loop: background CPU per point stored", "s",
-               loop.background_cpu_s, target=0.2)
-    report.add("loop_shm_peak_mib", "in the agent loop: peak /dev/shm use above the start", "MiB",
+            report.add(f"{prefix}_{key}_drift", f"{where}: {what}, last five rounds / first five", "x",
+                       [ratio], target=DRIFT_TARGET if target is not None else None)
+    report.add(f"{prefix}_background_cpu_s", f"{where}: background CPU per point stored", "s",
+               loop.background_cpu_s, target=background_target)
+    report.add(f"{prefix}_shm_peak_mib", f"{where}: peak /dev/shm use above the start", "MiB",
                [loop.shm_peak_mib])
 
 
 def main() -> None:
-    """`python -m rewind.bench.loop [ROUNDS]`: the loop alone, each round's times printed."""
+    """`python -m rewind.bench.loop [ROUNDS] [--real]`: the loop alone (or the one with real
+    steps), each round's times printed."""
     import sys
     import tempfile
 
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+    real = "--real" in sys.argv[1:]
+    numbers = [arg for arg in sys.argv[1:] if arg != "--real"]
+    rounds = int(numbers[0]) if numbers else 6
     with tempfile.TemporaryDirectory(prefix="rewind-loop-") as tmp:
         home = Home(root=Path(tmp), images=Home.from_env().images)
         try:
-            loop = run_loop(home, rounds, print)
+            loop = (run_real_loop if real else run_loop)(home, rounds, print)
         finally:
             close_home(home)
     for i, times in enumerate(loop.rounds):
         print(i + 1, "  ".join(f"{k}={v:.3f}" for k, v in times.items()))
-    for key in STEPS:
+    for key in REAL_STEPS if real else STEPS:
         samples = [r[key] for r in loop.rounds]
         ratio = drift(samples)
         shown = "" if ratio is None else f"  drift {ratio:.2f}x"
