@@ -40,7 +40,11 @@ AGENT_CHARDEV = "agent"  # QEMU chardev ids agent0..: query-chardev says whether
 # hpet=disable: the guest kernel left the HPET's timer 0 periodic at 250 Hz (its interrupt
 # off) once its ticks went one-shot, and QEMU woke for it each time: 23 ms of CPU a second
 # per idle machine, 2 ms without (it keeps time by the ACPI PM timer instead, as cheap to read).
-KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 root=/dev/vda hpet=disable"
+# dirty_background_bytes: the guest writes its cached writes out as soon as 4 MiB wait, on a
+# vCPU the step is not using, instead of keeping them for 30 s; a checkpoint right after a
+# step that copied 30 MiB of files then waited 0.07-0.10 s for the guest's sync, not 0.26-0.46 s.
+KERNEL_CMDLINE = ("console=ttyS0 quiet panic=-1 root=/dev/vda hpet=disable "
+                  "sysctl.vm.dirty_background_bytes=4194304")
 
 # File names inside a machine's run directory (relative: QEMU runs there, and
 # unix socket paths must stay short).
