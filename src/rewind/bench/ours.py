@@ -239,8 +239,9 @@ FAN_OUT = (1, 4, 16)
 FAN_OUT_ANSWERED_S = 4.0
 
 
-# A point with 1 GiB of new memory, stored within (issue 12's target).
-GIB_STORED_S = 3.0
+# A new machine's point with 1 GiB of new memory, stored within (the undo-at-scale target;
+# it must also come before plain QEMU's in the same run, which the table shows beside it).
+GIB_STORED_S = 2.5
 
 
 def curve_machine(home: Home, quick: bool) -> tuple[Sandbox, list[int]]:
