@@ -15,6 +15,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,79 +82,79 @@ class LoopResult:
 
 def run_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
     """`rounds` rounds of the agent's loop on one new machine; the machine is deleted after."""
-    result = LoopResult()
-    Engine(home).settle()  # the loop's background work is its own
-    pending.commit_stats_path(home).unlink(missing_ok=True)
-    sbx = Sandbox.create("loop", home=home)
-    shm = ShmPeak()
-    try:
-        sbx.exec(f"mkdir -p {PROJECT} && cd {PROJECT} && git init -q && echo start > notes.txt && "
-                 f"git add . && git -c user.name=b -c user.email=b@b commit -qm init", check=True)
-        for i in range(rounds):
-            progress(f"agent loop: round {i + 1} of {rounds}")
-            times: dict[str, float] = {}
-            sbx.exec(f"mkdir -p /root/work && head -c 1M /dev/urandom > /root/work/r{i}", check=True)
-            started = time.perf_counter()
-            point = sbx.checkpoint()
-            times["checkpoint_s"] = time.perf_counter() - started
-            sbx.exec("rm -rf /root/work", check=True)
-            started = time.perf_counter()
-            sbx.restore(point.id)
-            back = sbx.exec(f"test -f /root/work/r{i}")
-            times["restore_to_exec_s"] = time.perf_counter() - started
-            if not back.ok:
-                raise RuntimeError(f"round {i}: the restore did not bring the work back")
-            failed = try_in_copy(sbx, "rm -rf /root/work && false")
-            times["failed_try_s"] = failed.seconds
-            passed = try_in_copy(sbx, f"echo ok > /root/work/try{i}", verify=f"test -f /root/work/try{i}")
-            times["passed_try_s"] = passed.seconds
-            if failed.passed or not passed.passed:
-                raise RuntimeError(f"round {i}: tries gave {failed.reason!r} and {passed.reason!r}")
-            times["guarded_git_s"] = timed(lambda n=i: sbx.guarded(f"echo {n} >> notes.txt", cwd=PROJECT))
-            result.rounds.append(times)
-        progress("agent loop: waiting for the background work to finish")
-        sbx._engine.settle()
-    finally:
-        result.shm_peak_mib = shm.stop()
-        sbx.delete()
-    result.background_cpu_s = [entry.cpu_s for entry in pending.read_commit_stats(home)]
-    return result
+    return _run(home, "loop", "agent loop", rounds, progress, _agent_round, setup=_project)
 
 
 def run_real_loop(home: Home, rounds: int, progress: Progress) -> LoopResult:
     """`rounds` rounds of the loop with real steps (see the module's text) on one new machine;
     the machine is deleted after."""
+    return _run(home, "loop-real", "agent loop with real steps", rounds, progress, _real_round)
+
+
+def _run(home: Home, name: str, label: str, rounds: int, progress: Progress,
+         one_round: Callable[[Sandbox, int], dict[str, float]],
+         setup: Callable[[Sandbox], None] = lambda _: None) -> LoopResult:
     result = LoopResult()
-    Engine(home).settle()
+    Engine(home).settle()  # the loop's background work is its own
     pending.commit_stats_path(home).unlink(missing_ok=True)
-    sbx = Sandbox.create("loop-real", home=home)
+    sbx = Sandbox.create(name, home=home)
     shm = ShmPeak()
     try:
+        setup(sbx)
         for i in range(rounds):
-            progress(f"agent loop with real steps: round {i + 1} of {rounds}")
-            times = {"work_s": timed(lambda n=i: sbx.exec(REAL_WORK.format(i=n), check=True, timeout=600))}
-            started = time.perf_counter()
-            point = sbx.checkpoint()
-            times["checkpoint_s"] = time.perf_counter() - started
-            sbx.exec("rm -rf /root/work", check=True)
-            started = time.perf_counter()
-            sbx.restore(point.id)
-            back = sbx.exec(REAL_CHECK.format(i=i))
-            times["restore_to_exec_s"] = time.perf_counter() - started
-            if not back.ok:
-                raise RuntimeError(f"round {i}: the restore did not bring the work back")
-            failed = try_in_copy(sbx, REAL_BREAK)
-            times["failed_try_s"] = failed.seconds
-            if failed.passed or not sbx.exec("python3 -c 'import json'").ok:
-                raise RuntimeError(f"round {i}: the breaking step was kept ({failed.reason!r})")
-            result.rounds.append(times)
-        progress("agent loop with real steps: waiting for the background work to finish")
+            progress(f"{label}: round {i + 1} of {rounds}")
+            result.rounds.append(one_round(sbx, i))
+        progress(f"{label}: waiting for the background work to finish")
         sbx._engine.settle()
     finally:
         result.shm_peak_mib = shm.stop()
         sbx.delete()
     result.background_cpu_s = [entry.cpu_s for entry in pending.read_commit_stats(home)]
     return result
+
+
+def _project(sbx: Sandbox) -> None:
+    sbx.exec(f"mkdir -p {PROJECT} && cd {PROJECT} && git init -q && echo start > notes.txt && "
+             f"git add . && git -c user.name=b -c user.email=b@b commit -qm init", check=True)
+
+
+def _agent_round(sbx: Sandbox, i: int) -> dict[str, float]:
+    sbx.exec(f"mkdir -p /root/work && head -c 1M /dev/urandom > /root/work/r{i}", check=True)
+    times = _undo(sbx, i, f"test -f /root/work/r{i}")
+    failed = try_in_copy(sbx, "rm -rf /root/work && false")
+    times["failed_try_s"] = failed.seconds
+    passed = try_in_copy(sbx, f"echo ok > /root/work/try{i}", verify=f"test -f /root/work/try{i}")
+    times["passed_try_s"] = passed.seconds
+    if failed.passed or not passed.passed:
+        raise RuntimeError(f"round {i}: tries gave {failed.reason!r} and {passed.reason!r}")
+    times["guarded_git_s"] = timed(lambda: sbx.guarded(f"echo {i} >> notes.txt", cwd=PROJECT))
+    return times
+
+
+def _undo(sbx: Sandbox, i: int, check: str) -> dict[str, float]:
+    """Checkpoint, delete the work, restore and run `check`: the checkpoint call's time and
+    the restore's until `check` answered."""
+    started = time.perf_counter()
+    point = sbx.checkpoint()
+    times = {"checkpoint_s": time.perf_counter() - started}
+    sbx.exec("rm -rf /root/work", check=True)
+    started = time.perf_counter()
+    sbx.restore(point.id)
+    back = sbx.exec(check)
+    times["restore_to_exec_s"] = time.perf_counter() - started
+    if not back.ok:
+        raise RuntimeError(f"round {i}: the restore did not bring the work back")
+    return times
+
+
+def _real_round(sbx: Sandbox, i: int) -> dict[str, float]:
+    work = timed(lambda: sbx.exec(REAL_WORK.format(i=i), check=True, timeout=600))
+    times = {"work_s": work, **_undo(sbx, i, REAL_CHECK.format(i=i))}
+    failed = try_in_copy(sbx, REAL_BREAK)
+    times["failed_try_s"] = failed.seconds
+    if failed.passed or not sbx.exec("python3 -c 'import json'").ok:
+        raise RuntimeError(f"round {i}: the breaking step was kept ({failed.reason!r})")
+    return times
 
 
 def drift(samples: list[float]) -> float | None:
