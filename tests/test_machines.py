@@ -302,7 +302,7 @@ def test_an_idle_machine_leaves_the_host_idle(sbx: Sandbox) -> None:
 def test_a_guest_writes_its_files_out_as_it_goes(sbx: Sandbox) -> None:
     """A checkpoint first has the guest write its cached writes to its disk (gueststate.py):
     with the kernel's defaults the guest kept 30 MiB a step had written in memory for 30 s,
-    and the checkpoint call right after that step waited 0.27-0.48 s for them."""
+    and the checkpoint call right after that step waited 0.26-0.46 s for them."""
     sbx.exec("head -c 32M /dev/urandom > /root/written", check=True, timeout=120)
 
     def dirty_kib() -> int:

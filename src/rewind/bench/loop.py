@@ -34,9 +34,10 @@ WHAT = {
     "passed_try_s": ("passed `try_in_copy`", 2.0),
     "guarded_git_s": ("guarded project edit (git tier)", None),
 }
-REAL_STEPS = ("work_s", "checkpoint_s", "restore_to_exec_s", "failed_try_s")
+AGENTS_WORK = "work_s"  # the agent's own step, timed to show what it costs, held to no target
+REAL_STEPS = (AGENTS_WORK, "checkpoint_s", "restore_to_exec_s", "failed_try_s")
 REAL_WHAT = {
-    "work_s": ("the step: copy a 30 MiB library tree", None),
+    AGENTS_WORK: ("the step: copy a 30 MiB library tree", None),
     "checkpoint_s": ("checkpoint call right after it", 0.15),
     "restore_to_exec_s": ("restore in place until the first exec", 0.4),
     "failed_try_s": ("failed `try_in_copy` deleting a system folder", 1.0),
@@ -149,7 +150,7 @@ def _undo(sbx: Sandbox, i: int, check: str) -> dict[str, float]:
 
 def _real_round(sbx: Sandbox, i: int) -> dict[str, float]:
     work = timed(lambda: sbx.exec(REAL_WORK.format(i=i), check=True, timeout=600))
-    times = {"work_s": work, **_undo(sbx, i, REAL_CHECK.format(i=i))}
+    times = {AGENTS_WORK: work, **_undo(sbx, i, REAL_CHECK.format(i=i))}
     failed = try_in_copy(sbx, REAL_BREAK)
     times["failed_try_s"] = failed.seconds
     if failed.passed or not sbx.exec("python3 -c 'import json'").ok:
@@ -181,7 +182,7 @@ def _add(report: Report, prefix: str, where: str, loop: LoopResult, steps: tuple
         report.add(f"{prefix}_{key}", f"{where}: {what}", "s", samples, target=target)
         if (ratio := drift(samples)) is not None:
             report.add(f"{prefix}_{key}_drift", f"{where}: {what}, last five rounds / first five", "x",
-                       [ratio], target=DRIFT_TARGET if target is not None else None)
+                       [ratio], target=None if key == AGENTS_WORK else DRIFT_TARGET)
     report.add(f"{prefix}_background_cpu_s", f"{where}: background CPU per point stored", "s",
                loop.background_cpu_s, target=background_target)
     report.add(f"{prefix}_shm_peak_mib", f"{where}: peak /dev/shm use above the start", "MiB",

@@ -239,8 +239,8 @@ FAN_OUT = (1, 4, 16)
 FAN_OUT_ANSWERED_S = 4.0
 
 
-# A new machine's point with 1 GiB of new memory, stored within (the undo-at-scale target;
-# it must also come before plain QEMU's in the same run, which the table shows beside it).
+# A point with 1 GiB of new memory, stored within (the undo-at-scale target; it must also come
+# before plain QEMU's in the same run, which the table shows beside it).
 GIB_STORED_S = 2.5
 
 
